@@ -1,0 +1,40 @@
+"""zerostate: ZeRO training for PyTorch around a sharded state store."""
+
+from zerostate.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CommitTimeoutError,
+    ConfigError,
+    CorruptCheckpointError,
+    DistributedMismatchError,
+    FormatVersionError,
+    StorageError,
+    UnsafeNameError,
+    ZerostateError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CommitTimeoutError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "DistributedMismatchError",
+    "FormatVersionError",
+    "StorageError",
+    "UnsafeNameError",
+    "ZerostateError",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch.distributed machinery; import it on first use so the
+    # store and the CLI stay light.
+    if name in ("Engine", "EngineConfig"):
+        from zerostate import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'zerostate' has no attribute {name!r}")

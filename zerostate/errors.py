@@ -1,0 +1,43 @@
+"""Error classes. Each also inherits the builtin a caller would naturally catch."""
+
+from __future__ import annotations
+
+
+class ZerostateError(Exception):
+    """Base of every error zerostate raises on purpose."""
+
+
+class ConfigError(ZerostateError, ValueError):
+    """A setting is invalid; the message names the setting, the value and the fix."""
+
+
+class CheckpointError(ZerostateError):
+    """Base for problems with a checkpoint on storage."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint, no committed step, or no such step at the given location."""
+
+
+class FormatVersionError(CheckpointError, ValueError):
+    """The checkpoint was written in a format version this zerostate cannot read."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Metadata is malformed, or a chunk is missing, truncated or fails its checksum."""
+
+
+class UnsafeNameError(CheckpointError, ValueError):
+    """A tensor name or step read from storage would escape the checkpoint directory."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (after bounded retries) or is unreachable."""
+
+
+class CommitTimeoutError(CheckpointError, TimeoutError):
+    """Not every rank finished writing its shards within the save timeout."""
+
+
+class DistributedMismatchError(ZerostateError, ValueError):
+    """Ranks disagree about something that must be identical (model shapes, names, config)."""
