@@ -1,0 +1,358 @@
+"""Engine checkpoints: collective save (blocking or async) and load at any world size.
+
+The engine exposes its state as :class:`~zerostate.engine.ShardView` objects (one per
+logical tensor: fp32 master weights, Adam moments, buffers); this module moves them to and
+from the store. It owns no training state and calls no collective except one barrier per
+save and per load, on the engine's process group.
+
+[Note: async save]
+``save(..., blocking=False)`` splits a save in two. On the caller's thread it copies this
+rank's owned ranges into host buffers that are reused from save to save (pinned, and
+copied on a side CUDA stream, when the state lives on a GPU) and returns a
+:class:`SaveHandle`. A single background thread then writes the chunks, waits for the
+commit (coordinated through storage, see the store's commit protocol) and applies
+retention. At most one save is in flight: a new save, a load, ``handle.wait()`` and
+interpreter exit all wait for it first and re-raise its error, so a failed background save
+is never silent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerostate.errors import CheckpointError, ConfigError
+from zerostate.partition import TensorLayout
+from zerostate.store import (
+    StepWriter,
+    TensorSpec,
+    delete_step,
+    open_checkpoint,
+    remove_partial_steps,
+)
+
+log = logging.getLogger(__name__)
+
+#: Default seconds a rank waits for the others while committing a step.
+DEFAULT_COMMIT_TIMEOUT_S = 600.0
+
+
+class SaveHandle:
+    """A save in flight (or done). ``wait()`` returns once the step is committed."""
+
+    def __init__(self, step: int, path: str, future: Future | None, blocked_s: float) -> None:
+        self.step = step
+        self.path = path
+        self._future = future
+        #: Seconds the caller's thread spent inside ``save`` (snapshot and setup).
+        self.blocked_s = blocked_s
+
+    def done(self) -> bool:
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; re-raise the background error if the save failed."""
+        if self._future is not None:
+            self._future.result(timeout=timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"SaveHandle(step={self.step}, path={self.path!r}, {state})"
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One logical tensor this rank writes: the owned slice of a view."""
+
+    spec: TensorSpec
+    source: torch.Tensor  # 1-D slice of the live tensor (may be on an accelerator)
+
+
+def _json_checked(value: Any, what: str) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{what} must be JSON-serialisable (dicts, lists, str, int, float, bool, None): {exc}"
+        ) from exc
+    return value
+
+
+class Checkpointer:
+    """Saves and loads one engine's state. Created by the engine; use ``engine.save``."""
+
+    def __init__(self, engine: Any, *, timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: SaveHandle | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        atexit.register(self._wait_at_exit)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    def _barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=self.engine.group)
+
+    def _rng_pieces(self) -> list[_Piece]:
+        # Every rank lists every rank's RNG tensor (the spec list must be identical on all
+        # ranks); each rank owns only its own, as one whole chunk.
+        states = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state()
+        pieces = []
+        for kind, state in states.items():
+            numel = state.numel()
+            for r in range(self.world_size):
+                layout = TensorLayout(numel, self.world_size, max(1, numel), r)
+                spec = TensorSpec(f"rng/rank-{r:05d}/{kind}", (numel,), torch.uint8, layout)
+                if r == self.rank:
+                    pieces.append(_Piece(spec, state.reshape(-1)))
+                else:
+                    pieces.append(_Piece(spec, state.new_empty(0)))
+        return pieces
+
+    def _pieces(self) -> list[_Piece]:
+        pieces = []
+        for view in self.engine.state_views():
+            lo, hi = view.layout.owned_range(self.rank)
+            start = lo - view.local_start
+            if hi > lo and not (0 <= start and hi - view.local_start <= view.local.numel()):
+                raise CheckpointError(
+                    f"internal: view {view.name} holds [{view.local_start}, "
+                    f"{view.local_start + view.local.numel()}) but rank {self.rank} owns "
+                    f"[{lo}, {hi})"
+                )
+            source = view.local.reshape(-1)[start : start + (hi - lo)] if hi > lo else None
+            spec = TensorSpec(view.name, tuple(view.shape), view.dtype, view.layout)
+            pieces.append(_Piece(spec, source if source is not None else view.local[:0]))
+        return pieces + self._rng_pieces()
+
+    def _snapshot(self, pieces: list[_Piece], copy: bool) -> dict[str, torch.Tensor]:
+        """Host tensors holding this rank's owned ranges, safe from later training steps."""
+        on_cuda = any(p.source.is_cuda for p in pieces)
+        stream = torch.cuda.Stream() if on_cuda else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        shards: dict[str, torch.Tensor] = {}
+        for piece in pieces:
+            src = piece.source
+            if src.numel() == 0:
+                continue
+            if not copy and not src.is_cuda:
+                shards[piece.spec.name] = src.contiguous()
+                continue
+            buf = self._buffers.get(piece.spec.name)
+            if buf is None or buf.numel() != src.numel() or buf.dtype != src.dtype:
+                buf = torch.empty(src.numel(), dtype=src.dtype, pin_memory=on_cuda)
+                self._buffers[piece.spec.name] = buf
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    buf.copy_(src, non_blocking=True)
+            else:
+                buf.copy_(src)
+            shards[piece.spec.name] = buf
+        if stream is not None:
+            # The GPU keeps training only after the copies finished reading the state; the
+            # host does not wait here.
+            torch.cuda.current_stream().wait_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._pending_event = event
+        else:
+            self._pending_event = None
+        return shards
+
+    # -------------------------------------------------------------------- save
+    def save(
+        self,
+        path: str,
+        *,
+        step: int | None = None,
+        blocking: bool = True,
+        client_state: Any = None,
+        keep_last: int | None = None,
+        storage_options: dict | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> SaveHandle:
+        start = time.perf_counter()
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        step = int(self.engine.global_step if step is None else step)
+        if step < 0 or step > 99_999_999:
+            raise ConfigError(f"step must be in [0, 99999999], got {step}")
+        attrs = {
+            "engine": _json_checked(self.engine.engine_state(), "engine state"),
+            "client_state": _json_checked(client_state, "client_state"),
+            "saved_at_unix": time.time(),
+        }
+        self.wait()  # one save in flight; surfaces a previous background failure
+        if self.rank == 0:
+            existing = open_checkpoint(path, storage_options=storage_options)
+            if step in existing.steps():
+                self._barrier_error = CheckpointError(
+                    f"step {step} is already committed in {path}; save under another step "
+                    "number or delete it first"
+                )
+            else:
+                self._barrier_error = None
+                remove_partial_steps(path, storage_options=storage_options, only_step=step)
+        # Everyone learns rank 0's verdict before writing a byte.
+        verdict = torch.tensor([0 if self.rank != 0 or self._barrier_error is None else 1])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(verdict, group=self.engine.group)
+        if int(verdict.item()):
+            raise CheckpointError(
+                f"step {step} is already committed in {path}; save under another step number "
+                "or delete it first"
+            )
+        pieces = self._pieces()
+        specs = [p.spec for p in pieces]
+        writer = StepWriter(
+            path,
+            step,
+            rank=self.rank,
+            world_size=self.world_size,
+            specs=specs,
+            attrs=attrs,
+            storage_options=storage_options,
+            timeout_s=self.timeout_s,
+            progress=progress,
+        )
+        shards = self._snapshot(pieces, copy=not blocking)
+        event = self._pending_event
+
+        def finish() -> None:
+            if event is not None:
+                event.synchronize()
+            writer.write(shards)
+            writer.commit(wait=True)
+            if self.rank == 0:
+                self._retain(path, step, keep_last, storage_options)
+
+        if blocking:
+            finish()
+            self._barrier()
+            handle = SaveHandle(step, path, None, time.perf_counter() - start)
+            return handle
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
+        future = self._executor.submit(finish)
+        handle = SaveHandle(step, path, future, time.perf_counter() - start)
+        with self._lock:
+            self._inflight = handle
+        return handle
+
+    def _retain(
+        self, path: str, step: int, keep_last: int | None, storage_options: dict | None
+    ) -> None:
+        ckpt = open_checkpoint(path, storage_options=storage_options)
+        steps = ckpt.steps()
+        # Partial steps older than the one just committed belong to crashed saves.
+        remove_partial_steps(path, storage_options=storage_options, below_step=step)
+        if keep_last is None:
+            return
+        newest = max(steps) if steps else step
+        for old in steps[: max(0, len(steps) - keep_last)]:
+            if old == newest:
+                continue
+            try:
+                delete_step(path, old, storage_options=storage_options)
+            except Exception as exc:  # retention must not fail a good save
+                log.warning("zerostate: could not delete old step %d in %s: %s", old, path, exc)
+
+    def wait(self) -> None:
+        with self._lock:
+            handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.wait()
+
+    def _wait_at_exit(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:
+            print(f"zerostate: background checkpoint save failed: {exc}", file=sys.stderr)
+            sys.stderr.flush()
+            import os
+
+            os._exit(1)
+
+    # -------------------------------------------------------------------- load
+    def load(
+        self,
+        path: str,
+        *,
+        step: int | None = None,
+        storage_options: dict | None = None,
+        strict: bool = True,
+    ) -> Any:
+        self.wait()
+        ckpt = open_checkpoint(path, storage_options=storage_options)
+        st = ckpt.step(step)
+        views = self.engine.state_views()
+        missing = [v.name for v in views if v.name not in st.tensors]
+        if missing and strict:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise CheckpointError(
+                f"step {st.step} in {path} lacks {len(missing)} tensor(s) the model needs: "
+                f"{shown}. Is it a checkpoint of this model? (strict=False skips them)"
+            )
+        for view in views:
+            info = st.tensors.get(view.name)
+            if info is None:
+                continue
+            if tuple(info.shape) != tuple(view.shape):
+                raise CheckpointError(
+                    f"{view.name}: checkpoint shape {tuple(info.shape)} != model shape "
+                    f"{tuple(view.shape)}"
+                )
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="zs-load") as pool:
+            futures = [
+                pool.submit(self._load_view, st, view) for view in views if view.name in st.tensors
+            ]
+            for fut in futures:
+                fut.result()
+        self.engine.load_engine_state(st.attrs.get("engine", {}))
+        self.engine.refresh_from_masters()
+        self._restore_rng(st)
+        self._barrier()
+        return st.attrs.get("client_state")
+
+    @staticmethod
+    def _load_view(st: Any, view: Any) -> None:
+        numel = view.local.numel()
+        if numel == 0:
+            return
+        data = st.read_range(view.name, view.local_start, view.local_start + numel)
+        with torch.no_grad():
+            view.local.reshape(-1).copy_(data.to(view.local.dtype))
+
+    def _restore_rng(self, st: Any) -> None:
+        if st.world_size != self.world_size:
+            return  # RNG streams of N ranks cannot be mapped onto M ranks
+        name = f"rng/rank-{self.rank:05d}/cpu"
+        if name in st.tensors:
+            torch.set_rng_state(st.read(name).to(torch.uint8))
+        name = f"rng/rank-{self.rank:05d}/cuda"
+        if name in st.tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(st.read(name).to(torch.uint8))

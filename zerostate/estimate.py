@@ -1,0 +1,127 @@
+"""Per-rank model-state memory for ZeRO stages 0-3 (Rajbhandari et al., section 5).
+
+Pure arithmetic, no torch. With mixed-precision Adam every parameter costs 2 bytes of
+fp16/bf16 weights, 2 bytes of gradient and K bytes of optimizer state (fp32 master
+weights, exp_avg and exp_avg_sq: K = 12). Stage s partitions progressively more of
+those across the N data-parallel ranks:
+
+=====  =========================  ==========================
+stage  partitioned                bytes per rank
+=====  =========================  ==========================
+0      nothing                    (2 + 2 + K) * Psi
+1      optimizer states           4 * Psi + K * Psi / N
+2      + gradients                2 * Psi + (2 + K) * Psi / N
+3      + parameters               (2 + 2 + K) * Psi / N
+=====  =========================  ==========================
+
+The paper's worked example (Psi = 7.5B, N = 64, K = 12) gives 120 GB, 31.4 GB, 16.6 GB
+and 1.9 GB, with GB = 1e9 bytes. Activations, temporary buffers and fragmentation are not
+model states and are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from zerostate.errors import ConfigError
+
+#: Bytes of optimizer state per parameter for mixed-precision Adam (fp32 master + 2 moments).
+DEFAULT_K = 12
+
+STAGES = (0, 1, 2, 3)
+
+STAGE_PARTITIONED = {
+    0: "nothing",
+    1: "optimizer states",
+    2: "optimizer states + gradients",
+    3: "optimizer states + gradients + parameters",
+}
+
+_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_COUNT_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", re.I)
+
+
+@dataclass(frozen=True, slots=True)
+class StageEstimate:
+    """Model-state bytes one rank holds at one ZeRO stage."""
+
+    stage: int
+    partitioned: str
+    params_bytes: float
+    grads_bytes: float
+    optim_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optim_bytes
+
+    def to_json(self) -> dict:
+        total = self.total_bytes
+        return {
+            "stage": self.stage,
+            "partitioned": self.partitioned,
+            "params_bytes": round(self.params_bytes),
+            "grads_bytes": round(self.grads_bytes),
+            "optim_bytes": round(self.optim_bytes),
+            "total_bytes": round(total),
+            "total_gb": total / 1e9,
+            "total_gib": total / 2**30,
+        }
+
+
+def parse_count(text: str | int | float) -> int:
+    """Parse a parameter count: ``7500000000``, ``7.5e9``, ``7.5B``, ``350M``, ``1.2k``."""
+    if isinstance(text, bool):
+        raise ConfigError(f"parameter count must be a number, got {text!r}")
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        match = _COUNT_RE.match(text)
+        if match is None:
+            raise ConfigError(
+                f"cannot read parameter count {text!r}: write it like 7.5e9, 7.5B, 350M or 125K"
+            )
+        value = float(match.group(1).replace("_", "")) * _COUNT_SUFFIXES[match.group(2).lower()]
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"parameter count must be positive, got {text!r}")
+    return round(value)
+
+
+def estimate_stage(params: int, dp: int, stage: int, k: float = DEFAULT_K) -> StageEstimate:
+    """Bytes of model states per rank for ``params`` parameters over ``dp`` ranks."""
+    _check(params, dp, k)
+    if stage not in STAGES:
+        raise ConfigError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    # Stage s partitions optimizer states from 1 on, gradients from 2 on, parameters at 3.
+    optim = k * params / (dp if stage >= 1 else 1)
+    grads = 2 * params / (dp if stage >= 2 else 1)
+    weights = 2 * params / (dp if stage >= 3 else 1)
+    return StageEstimate(stage, STAGE_PARTITIONED[stage], weights, grads, optim)
+
+
+def estimate(
+    params: int, dp: int, *, stages: tuple[int, ...] = STAGES, k: float = DEFAULT_K
+) -> list[StageEstimate]:
+    """One :class:`StageEstimate` per requested stage, in order."""
+    return [estimate_stage(params, dp, s, k) for s in stages]
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Binary units (KiB, MiB, GiB, TiB), as memory is sized and reported by tools."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _check(params: int, dp: int, k: float) -> None:
+    if not isinstance(params, int) or isinstance(params, bool) or params < 1:
+        raise ConfigError(f"params must be a positive integer, got {params!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"dp (data-parallel ranks) must be a positive integer, got {dp!r}")
+    if not math.isfinite(k) or k < 0:
+        raise ConfigError(f"k (optimizer bytes per parameter) must be >= 0, got {k!r}")

@@ -1,0 +1,383 @@
+"""Consolidate one checkpoint step into safetensors, streaming tensor by tensor.
+
+[Note: streaming consolidation]
+The safetensors header holds every tensor's dtype, shape and byte offsets, and all of
+those follow from the step's metadata (:class:`TensorInfo`) without reading any data. So
+the header is computed and written first, then each tensor's bytes are appended in header
+order, read through ``read_range`` in pieces of at most ``piece_bytes``. Host memory is
+thus bounded by about two pieces (the fp32 read buffer and its cast), not by the model,
+which is what zero_to_fp32-style "gather everything, then save" tools run out of.
+
+Output is written to ``<file>.partial``, flushed, fsynced and then renamed, so a crash
+never leaves a complete-looking file. A sharded output (``max_shard_size``) renames every
+shard first and writes ``<prefix>.safetensors.index.json`` last: without the index the
+Hugging Face loaders do not consider the directory a checkpoint.
+
+Only model weights (``model/<param>``, written as ``<param>``) and buffers
+(``buffers/<name>``, written as ``<name>``) are exported; optimizer state is skipped.
+Tied parameters (``attrs["engine"]["tied"] = {alias: canonical}``) are stored once, under
+the canonical name, and are exported once: safetensors refuses shared storage, and Hugging
+Face models re-tie aliases on load (``tie_word_embeddings``). The aliases are returned in
+:attr:`ConsolidateResult.tied` so callers can report them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerostate.errors import ConfigError, CorruptCheckpointError
+
+#: Called as ``progress(bytes_done, bytes_total)`` after each piece is written.
+ProgressFn = Callable[[int, int], None]
+
+#: Largest piece read and written at once (bytes of the stored dtype).
+DEFAULT_PIECE_BYTES = 64 << 20
+
+MODEL_PREFIX = "model/"
+BUFFERS_PREFIX = "buffers/"
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-z]*)\s*$", re.I)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``5GB`` (10**9), ``500MB``, ``2GiB`` (2**30) or a plain byte count."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ConfigError(
+                f"cannot read size {text!r}: write it like 5GB, 500MB, 2GiB or a byte count"
+            )
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise ConfigError(f"size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``fp32``/``bf16``/``fp16`` (or the torch dtype); ``None`` keeps the stored dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if dtype is not None and dtype not in _DTYPE_NAMES.values():
+            raise ConfigError(f"dtype must be fp32, bf16 or fp16, got {dtype}")
+        return dtype
+    try:
+        return _DTYPE_NAMES[str(dtype).lower()]
+    except KeyError:
+        raise ConfigError(f"dtype must be fp32, bf16 or fp16, got {dtype!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ExportEntry:
+    """One tensor of the output: where it comes from and how it is stored."""
+
+    name: str  # name in the safetensors file
+    source: str  # logical tensor name in the checkpoint
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # dtype written (after the optional cast)
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(slots=True)
+class ConsolidateResult:
+    """What :func:`consolidate` wrote."""
+
+    step: int
+    files: list[Path]
+    index: Path | None
+    num_tensors: int
+    total_bytes: int
+    tied: dict[str, str] = field(default_factory=dict)
+
+
+def export_entries(tensors: dict[str, Any], dtype: torch.dtype | None) -> list[ExportEntry]:
+    """Select model weights and buffers from a step's ``tensors`` (name -> TensorInfo).
+
+    Floating-point tensors are cast to ``dtype`` when given; integer and bool buffers
+    (step counters, position ids, masks) keep their dtype. The order is the step's tensor
+    order, stably sorted by item size (largest first) so every tensor starts aligned to its
+    item size, as the safetensors serializer itself arranges.
+    """
+    entries: list[ExportEntry] = []
+    seen: dict[str, str] = {}
+    for source, info in tensors.items():
+        if source.startswith(MODEL_PREFIX):
+            name = source[len(MODEL_PREFIX) :]
+        elif source.startswith(BUFFERS_PREFIX):
+            name = source[len(BUFFERS_PREFIX) :]
+        else:
+            continue
+        if name in seen:
+            raise CorruptCheckpointError(
+                f"checkpoint holds both {seen[name]!r} and {source!r}: they would share the "
+                f"name {name!r} in the safetensors output"
+            )
+        seen[name] = source
+        out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        if out_dtype not in SAFETENSORS_DTYPES:
+            raise CorruptCheckpointError(f"tensor {source!r} has unsupported dtype {info.dtype}")
+        entries.append(ExportEntry(name, source, tuple(info.shape), out_dtype, int(info.numel)))
+    entries.sort(key=lambda e: -e.dtype.itemsize)
+    return entries
+
+
+def safetensors_header(entries: list[ExportEntry]) -> bytes:
+    """The header block: 8-byte little-endian length, then JSON padded to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        header[entry.name] = {
+            "dtype": SAFETENSORS_DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob
+
+
+def plan_shards(entries: list[ExportEntry], max_shard_size: int | None) -> list[list[ExportEntry]]:
+    """Greedy packing in order; a tensor larger than the limit gets a shard of its own."""
+    if max_shard_size is None:
+        return [entries]
+    shards: list[list[ExportEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return shards
+
+
+def consolidate(
+    ckpt: Any,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
+    progress: ProgressFn | None = None,
+    force: bool = False,
+    storage_options: dict | None = None,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
+) -> ConsolidateResult:
+    """Write the model weights and buffers of one step as safetensors at ``out``.
+
+    ``ckpt`` is a checkpoint root (path or fsspec URL) or an opened checkpoint. Without
+    ``max_shard_size`` ``out`` is one ``.safetensors`` file. With it, ``out`` names the
+    index: ``dir/name.safetensors`` gives ``dir/name-00001-of-0000N.safetensors`` and
+    ``dir/name.safetensors.index.json``; any other ``out`` is a directory that gets
+    ``model-*.safetensors`` and ``model.safetensors.index.json`` (the Hugging Face layout).
+    ``out`` must be local. Existing output is refused unless ``force``.
+    """
+    cast = parse_dtype(dtype)
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    if piece_bytes < 1:
+        raise ConfigError(f"piece_bytes must be positive, got {piece_bytes}")
+    out_path = _local_path(out)
+    if sys.byteorder != "little":
+        raise ConfigError("safetensors is little-endian; consolidate on a little-endian host")
+
+    reader = _open(ckpt, storage_options)
+    st = reader.step(step)
+    entries = export_entries(st.tensors, cast)
+    shards = plan_shards(entries, limit)
+
+    if limit is None:
+        targets = [out_path]
+        index_path = None
+    else:
+        directory, prefix = _shard_naming(out_path)
+        targets = [
+            directory / f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            for i in range(len(shards))
+        ]
+        index_path = directory / f"{prefix}.safetensors.index.json"
+    _refuse_existing([*targets, *([index_path] if index_path else [])], force)
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+    total = sum(e.nbytes for e in entries)
+    done = 0
+    for target, shard in zip(targets, shards, strict=True):
+        done = _write_file(st, target, shard, piece_bytes, progress, done, total)
+    if index_path is not None:
+        weight_map = {
+            e.name: t.name for t, shard in zip(targets, shards, strict=True) for e in shard
+        }
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _atomic_write_bytes(index_path, (json.dumps(index, indent=2) + "\n").encode())
+    if progress is not None and not entries:
+        progress(0, 0)
+
+    tied = (st.attrs.get("engine") or {}).get("tied") or {}
+    return ConsolidateResult(
+        step=st.step,
+        files=targets,
+        index=index_path,
+        num_tensors=len(entries),
+        total_bytes=total,
+        tied=dict(tied) if isinstance(tied, dict) else {},
+    )
+
+
+def _write_file(
+    st: Any,
+    target: Path,
+    entries: list[ExportEntry],
+    piece_bytes: int,
+    progress: ProgressFn | None,
+    done: int,
+    total: int,
+) -> int:
+    partial = target.with_name(target.name + ".partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(safetensors_header(entries))
+            for entry in entries:
+                info = st.tensors[entry.source]
+                for piece in _read_pieces(st, entry.source, info, piece_bytes):
+                    if piece.dtype != entry.dtype:
+                        piece = piece.to(entry.dtype)
+                    # A byte view, not a copy: numpy has no bfloat16, uint8 covers all.
+                    f.write(piece.contiguous().view(torch.uint8).numpy().data)
+                    done += piece.numel() * entry.dtype.itemsize
+                    if progress is not None:
+                        progress(done, total)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+    return done
+
+
+def _read_pieces(st: Any, name: str, info: Any, piece_bytes: int):
+    """Yield ``name`` as consecutive 1-D pieces, reusing one read buffer.
+
+    Pieces never straddle a stored chunk, so no chunk is read (and checksummed) twice
+    for one piece boundary; a chunk larger than ``piece_bytes`` is read in sub-ranges.
+    """
+    numel = int(info.numel)
+    piece_numel = max(1, piece_bytes // info.dtype.itemsize)
+    buffer = torch.empty(min(numel, piece_numel), dtype=info.dtype)
+    layout = info.layout
+    chunk = max(1, int(layout.chunk_numel)) if layout is not None else numel or 1
+    start = 0
+    while start < numel:
+        chunk_end = min(numel, (start // chunk + 1) * chunk)
+        stop = min(chunk_end, start + piece_numel)
+        out = buffer[: stop - start]
+        piece = st.read_range(name, start, stop, out=out)
+        yield piece if piece is not None else out
+        start = stop
+
+
+def _open(ckpt: Any, storage_options: dict | None) -> Any:
+    if hasattr(ckpt, "step") and hasattr(ckpt, "steps"):
+        return ckpt
+    from zerostate.store import open_checkpoint
+
+    return open_checkpoint(os.fspath(ckpt), storage_options=storage_options)
+
+
+def _local_path(out: str | os.PathLike) -> Path:
+    text = os.fspath(out)
+    if "://" in text:
+        raise ConfigError(
+            f"output {text!r} is a URL: consolidate writes to a local path; "
+            "write locally, then upload the file"
+        )
+    return Path(text)
+
+
+def _shard_naming(out: Path) -> tuple[Path, str]:
+    if out.name.endswith(".safetensors"):
+        return out.parent, out.name[: -len(".safetensors")]
+    return out, "model"
+
+
+def _refuse_existing(paths: list[Path], force: bool) -> None:
+    for path in paths:
+        if path.is_dir():
+            raise ConfigError(f"output {str(path)!r} is a directory; name a file to write")
+        if path.exists() and not force:
+            raise ConfigError(f"output {str(path)!r} already exists; pass --force to overwrite")
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is only durable once the directory entry is; not every OS allows it.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
