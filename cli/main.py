@@ -1,8 +1,84 @@
-"""The ``zerostate`` command (placeholder until the subcommands land)."""
+"""The ``zerostate`` command: consolidate, inspect, verify, reshard, estimate.
 
+Every expected failure (a missing step, an existing output, a damaged chunk, a bad
+option) ends as one line on stderr, ``zerostate: error: ...``, and a non-zero exit:
+2 for usage errors, 1 for everything else. Set ``ZEROSTATE_DEBUG=1`` to get the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
 import sys
+from typing import NoReturn
+
+from zerostate import __version__
+from zerostate.errors import ZerostateError
+from zerostate_cli import (
+    cmd_consolidate,
+    cmd_estimate,
+    cmd_inspect,
+    cmd_reshard,
+    cmd_verify,
+)
+from zerostate_cli.common import CliError
+
+COMMANDS = (cmd_consolidate, cmd_inspect, cmd_verify, cmd_reshard, cmd_estimate)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the help is one ``--help`` away)."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
+        self.exit(2, f"zerostate: error: {command}{message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="zerostate",
+        description="Inspect, verify, reshard and export zerostate checkpoints; "
+        "estimate ZeRO memory per rank.",
+    )
+    parser.add_argument("--version", action="version", version=f"zerostate {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in COMMANDS:
+        module.add_parser(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("zerostate: commands are being built", file=sys.stderr)
-    return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except CliError as exc:
+        return _fail(str(exc), exc.exit_code)
+    except (ZerostateError, OSError) as exc:
+        if os.environ.get("ZEROSTATE_DEBUG"):
+            raise
+        return _fail(_describe(exc), 1)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+def _describe(exc: BaseException) -> str:
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, ZerostateError):
+        # Backends raise bare OSErrors (no such bucket, access denied); keep the class
+        # name, it is often the most informative part.
+        if exc.strerror and exc.filename:
+            message = f"{exc.strerror}: {exc.filename}"
+        message = f"{type(exc).__name__}: {message}"
+    return " ".join(message.split())
+
+
+def _fail(message: str, code: int) -> int:
+    # One line, whatever the exception text looked like.
+    print(f"zerostate: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""``zerostate estimate``: per-rank model-state memory for ZeRO stages 0-3."""
+
+from __future__ import annotations
+
+import argparse
+
+from zerostate.estimate import DEFAULT_K, STAGES, estimate, format_bytes, parse_count
+from zerostate_cli.common import arg_type, positive_int, print_json
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate",
+        help="per-rank model-state memory for ZeRO stages 0-3",
+        description="Model-state bytes per data-parallel rank (the ZeRO paper's formulas: "
+        "2 bytes weights + 2 bytes gradients + K bytes optimizer state per parameter). "
+        "Activations and temporary buffers are not included.",
+    )
+    parser.add_argument(
+        "--params",
+        required=True,
+        type=arg_type(parse_count),
+        help="number of parameters: 7.5e9, 7.5B, 350M, 125K",
+    )
+    parser.add_argument(
+        "--dp", required=True, type=arg_type(positive_int), help="data-parallel ranks (N)"
+    )
+    parser.add_argument(
+        "--stage", type=int, choices=STAGES, default=None, help="only this stage"
+    )
+    parser.add_argument(
+        "--k",
+        type=float,
+        default=DEFAULT_K,
+        help=f"optimizer bytes per parameter (default {DEFAULT_K}: mixed-precision Adam)",
+    )
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    stages = STAGES if args.stage is None else (args.stage,)
+    rows = estimate(args.params, args.dp, stages=stages, k=args.k)
+    if args.json:
+        print_json(
+            {
+                "params": args.params,
+                "dp": args.dp,
+                "k": args.k,
+                "stages": [row.to_json() for row in rows],
+            }
+        )
+        return 0
+    print(
+        f"model-state memory per rank: {args.params:,} parameters, "
+        f"{args.dp} data-parallel ranks, K={args.k:g}"
+    )
+    print(f"{'stage':<6} {'partitioned':<42} {'per rank':>12} {'GB (1e9)':>10} {'bytes':>17}")
+    for row in rows:
+        total = row.total_bytes
+        print(
+            f"{row.stage:<6} {row.partitioned:<42} {format_bytes(total):>12} "
+            f"{total / 1e9:>10.1f} {round(total):>17,}"
+        )
+    return 0

@@ -1,0 +1,153 @@
+"""Pieces shared by the subcommands: argument types, storage options, progress, output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from zerostate.errors import ConfigError
+
+
+class CliError(Exception):
+    """An expected failure the command reports as one line, with an exit code."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """Wrap a parser raising ConfigError so argparse reports its message as a usage error."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise ConfigError(f"must be >= 0, got {value}")
+    return value
+
+
+def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
+    """``KEY=VALUE`` pairs to fsspec/s3fs keyword arguments.
+
+    Values that read as JSON (``true``, ``3``, ``{"a": 1}``) are decoded, anything else
+    stays a string. A dotted key nests: ``client_kwargs.region_name=eu-west-1`` gives
+    ``{"client_kwargs": {"region_name": "eu-west-1"}}``.
+    """
+    if not pairs:
+        return None
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(
+                f"--storage-option {pair!r} is not KEY=VALUE; e.g. "
+                "--storage-option endpoint_url=http://localhost:8333",
+                exit_code=2,
+            )
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        *parents, leaf = key.strip().split(".")
+        target = options
+        for part in parents:
+            child = target.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise CliError(f"--storage-option {key!r} conflicts with an earlier option", 2)
+            target = child
+        target[leaf] = value
+    return options
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser, *, step: bool = True) -> None:
+    parser.add_argument("ckpt", metavar="CKPT", help="checkpoint root: a path or URL (s3://...)")
+    if step:
+        parser.add_argument(
+            "--step",
+            type=arg_type(non_negative_int),
+            default=None,
+            help="step to use (default: the latest committed step)",
+        )
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        dest="storage_option",
+        help="fsspec/s3fs option, repeatable (e.g. endpoint_url=http://host:8333, anon=true)",
+    )
+
+
+def add_output_args(parser: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    if json_flag:
+        parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+@contextmanager
+def progress_bar(args: argparse.Namespace, desc: str, unit: str = "B") -> Iterator[Any]:
+    """A tqdm bar on stderr, off with --quiet or when stderr is not a terminal.
+
+    Yields a ``progress(done, total)`` callback: library code reports cumulative counts
+    and does not depend on tqdm.
+    """
+    from tqdm import tqdm
+
+    quiet = getattr(args, "quiet", False) or not sys.stderr.isatty()
+    bar = tqdm(
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        unit_divisor=1024,
+        file=sys.stderr,
+        disable=quiet,
+        leave=False,
+        dynamic_ncols=True,
+    )
+
+    def update(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def human_bytes(num_bytes: float) -> str:
+    from zerostate.estimate import format_bytes
+
+    return format_bytes(num_bytes)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and install zerostate into it.
+# Sourced by the other scripts; safe to run again (it only installs what is missing).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${ZEROSTATE_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+EXTRAS="${ZEROSTATE_EXTRAS:-test}"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "zerostate: creating virtual environment in $VENV" >&2
+    "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.zerostate-installed-$EXTRAS"
+if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+    # torch first and pinned: a bare `torch` requirement in a fresh environment can pull a
+    # multi-GB CUDA build. Set ZEROSTATE_TORCH to choose another build (e.g. "torch==2.13.0").
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${ZEROSTATE_TORCH:-torch==2.13.0}"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$EXTRAS]"
+    touch "$stamp"
+fi
+export PATH="$VENV/bin:$PATH"

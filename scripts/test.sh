@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install what the tests need (into .venv) and run the whole test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k store -x`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/env.sh" 2> >(grep -v "is ignored: it is neither" >&2)
+cd "$ROOT"
+set +e
+python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "zerostate: pytest collected no tests; failing on purpose" >&2
+    exit 1
+fi
+exit "$rc"
