@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -92,8 +93,11 @@ def _json_checked(value: Any, what: str) -> Any:
 class Checkpointer:
     """Saves and loads one engine's state. Created by the engine; use ``engine.save``."""
 
-    def __init__(self, engine: Any, *, timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> None:
+    def __init__(self, engine: Any, *, timeout_s: float | None = None) -> None:
         self.engine = engine
+        if timeout_s is None:
+            # The environment may shorten it (tests, schedulers with tight preemption).
+            timeout_s = float(os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S", DEFAULT_COMMIT_TIMEOUT_S))
         self.timeout_s = timeout_s
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
@@ -293,8 +297,6 @@ class Checkpointer:
         except BaseException as exc:
             print(f"zerostate: background checkpoint save failed: {exc}", file=sys.stderr)
             sys.stderr.flush()
-            import os
-
             os._exit(1)
 
     # -------------------------------------------------------------------- load
