@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 SEED = 1234
+DATA_POOL = 2  # fixed batches per rank, cycled
 
 # name -> (stage whose partitioning it does, description). Order is the run order.
 PEERS: dict[str, tuple[int, str]] = {
@@ -53,11 +54,13 @@ CONTENDERS: dict[str, tuple[int, str]] = {**PEERS, **ZEROSTATE}
 # Model presets: GPT-2 config plus per-rank micro-batch and sequence length.
 MODELS: dict[str, dict[str, int]] = {
     # ~3.3M parameters; one 2-rank step is on the order of 100 ms on a couple of CPU cores.
-    "small": dict(vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=4,
-                  micro_batch=8, seq_len=64),
+    "small": dict(
+        vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=4, micro_batch=8, seq_len=64
+    ),
     # ~0.1M parameters; a whole run takes seconds (smoke tests).
-    "tiny": dict(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                 micro_batch=4, seq_len=32),
+    "tiny": dict(
+        vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4, micro_batch=4, seq_len=32
+    ),
 }
 
 
@@ -127,7 +130,9 @@ def _setup_ddp(model, device, zero_optimizer: bool) -> Trainer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(
-            ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR,
+            ddp.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            lr=LR,
             weight_decay=WEIGHT_DECAY,
         )
     else:
@@ -209,17 +214,23 @@ def _setup(name: str, model, device, preset: dict[str, int], world: int) -> Trai
     raise ValueError(f"unknown contender {name!r}")
 
 
-def worker_main(args: argparse.Namespace) -> int:
+def worker_main(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     err_path = Path(f"{args.result_file}.rank{rank}.err")
     try:
-        return _worker(args, rank)
+        _worker(args, rank)
     except BaseException:
         err_path.write_text(traceback.format_exc())
         raise
+    # With gloo, interpreter teardown after destroy_process_group() sometimes aborts
+    # ("terminate called without an active exception", SIGABRT) once the results are
+    # already written; skip the teardown so a finished run is not reported as failed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def _worker(args: argparse.Namespace, rank: int) -> int:
+def _worker(args: argparse.Namespace, rank: int) -> None:
     import datetime
 
     import torch
@@ -251,16 +262,17 @@ def _worker(args: argparse.Namespace, rank: int) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     trainer = _setup(args.worker, model, device, preset, world)
 
-    # Same seeded tokens for every contender; each rank gets its own slice of the data.
+    # Same seeded tokens for every contender, different per rank. Each rank cycles over a
+    # few fixed batches, so a model that trains memorises them and its loss must fall.
     g = torch.Generator().manual_seed(SEED + 1000 * rank)
     total = args.warmup + args.steps
-    shape = (total, preset["micro_batch"], preset["seq_len"] + 1)
+    shape = (DATA_POOL, preset["micro_batch"], preset["seq_len"] + 1)
     tokens = torch.randint(0, preset["vocab_size"], shape, generator=g).to(device)
 
     times: list[float] = []
     losses: list[float] = []
     for i in range(total):
-        idx, targets = tokens[i, :, :-1], tokens[i, :, 1:]
+        idx, targets = tokens[i % DATA_POOL, :, :-1], tokens[i % DATA_POOL, :, 1:]
         if use_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -298,14 +310,11 @@ def _worker(args: argparse.Namespace, rank: int) -> int:
             "loss_last": mean_loss(-1),
             "peak_rss_mb": [r["peak_rss"] / 2**20 for r in gathered],
             "rss_before_model_mb": [r["rss_before_model"] / 2**20 for r in gathered],
-            "peak_cuda_mb": (
-                [r["peak_cuda"] / 2**20 for r in gathered] if use_cuda else None
-            ),
+            "peak_cuda_mb": ([r["peak_cuda"] / 2**20 for r in gathered] if use_cuda else None),
         }
         Path(args.result_file).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-    return 0
 
 
 # --------------------------------------------------------------------------------------
@@ -320,38 +329,62 @@ def _error_summary(result_file: Path, stderr: str, rc: int | None) -> str:
         lines = [ln for ln in path.read_text().strip().splitlines() if ln.strip()]
         if lines:
             return f"{path.name.split('.')[-2]}: {lines[-1].strip()}"
-    tail = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     what = "timed out" if rc is None else f"exit status {rc}"
-    return f"{what}: {tail[-1].strip() if tail else '(no output)'}"
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    markers = ("Error", "Exception", "terminate called", "Signal ", "Killed")
+    hits = [ln for ln in lines if any(m in ln for m in markers) and "ChildFailedError" not in ln]
+    tail = hits or lines
+    return f"{what}: {tail[-1] if tail else '(no output)'}"
 
 
 def run_contender(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     result_file = tmp / f"{name}.json"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
         f"--nproc_per_node={args.nproc}",
         str(Path(__file__).resolve()),
-        "--worker", name, "--result-file", str(result_file),
-        "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
-        "--threads", str(args.threads), "--pg-timeout", str(args.timeout),
+        "--worker",
+        name,
+        "--result-file",
+        str(result_file),
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--pg-timeout",
+        str(args.timeout),
     ]
     if args.cpu:
         cmd.append("--cpu")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(args.threads))
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     if name.startswith("ds") and (args.cpu or not _cuda_available()):
         # DeepSpeed otherwise probes for accelerators (and may pick a CUDA build of torch).
         env.setdefault("DS_ACCELERATOR", "cpu")
     stage, desc = CONTENDERS[name]
-    base = {"name": name, "stage": stage, "description": desc,
-            "kind": "peer" if name in PEERS else "zerostate"}
+    base = {
+        "name": name,
+        "stage": stage,
+        "description": desc,
+        "kind": "peer" if name in PEERS else "zerostate",
+    }
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=args.timeout)
@@ -365,8 +398,12 @@ def run_contender(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         print(out, file=sys.stderr)
     if rc == 0 and result_file.exists():
         return {**base, **json.loads(result_file.read_text()), "wall_s": wall}
-    return {**base, "ok": False, "wall_s": wall,
-            "error": _error_summary(result_file, out or "", rc)}
+    return {
+        **base,
+        "ok": False,
+        "wall_s": wall,
+        "error": _error_summary(result_file, out or "", rc),
+    }
 
 
 def _cuda_available() -> bool:
@@ -391,20 +428,24 @@ def summarize(results: list[dict]) -> list[dict]:
         ratio = None
         if fastest and zs and zs["ok"]:
             ratio = zs["step_time_median_s"] / fastest["step_time_median_s"]
-        groups.append({
-            "stage": stage,
-            "contenders": [r["name"] for r in rows],
-            "fastest_peer": fastest["name"] if fastest else None,
-            "zerostate": zs["name"] if zs else None,
-            "ratio_zerostate_over_fastest_peer": ratio,
-        })
+        groups.append(
+            {
+                "stage": stage,
+                "contenders": [r["name"] for r in rows],
+                "fastest_peer": fastest["name"] if fastest else None,
+                "zerostate": zs["name"] if zs else None,
+                "ratio_zerostate_over_fastest_peer": ratio,
+            }
+        )
     return groups
 
 
 def format_table(results: list[dict], groups: list[dict]) -> str:
     by_name = {r["name"]: r for r in results}
-    head = (f"{'stage':<6}{'contender':<17}{'median ms':>10}{'vs fastest':>11}"
-            f"{'peak RSS MB/rank':>18}{'loss first->last':>19}  description")
+    head = (
+        f"{'stage':<6}{'contender':<17}{'median ms':>10}{'vs fastest':>11}"
+        f"{'peak RSS MB/rank':>18}{'loss first->last':>19}  description"
+    )
     lines = [head, "-" * len(head)]
     for g in groups:
         fastest = by_name[g["fastest_peer"]] if g["fastest_peer"] else None
@@ -414,17 +455,27 @@ def format_table(results: list[dict], groups: list[dict]) -> str:
                 lines.append(f"{g['stage']:<6}{name:<17}{'FAILED':>10}  {r['error']}")
                 continue
             ms = r["step_time_median_s"] * 1e3
-            rel = (f"{r['step_time_median_s'] / fastest['step_time_median_s']:.2f}x"
-                   if fastest else "-")
+            rel = (
+                f"{r['step_time_median_s'] / fastest['step_time_median_s']:.2f}x"
+                if fastest
+                else "-"
+            )
             rss = "/".join(f"{m:.0f}" for m in r["peak_rss_mb"])
             loss = f"{r['loss_first']:.3f}->{r['loss_last']:.3f}"
-            lines.append(f"{g['stage']:<6}{name:<17}{ms:>10.1f}{rel:>11}{rss:>18}{loss:>19}"
-                         f"  {r['description']}")
+            lines.append(
+                f"{g['stage']:<6}{name:<17}{ms:>10.1f}{rel:>11}{rss:>18}{loss:>19}"
+                f"  {r['description']}"
+            )
         ratio = g["ratio_zerostate_over_fastest_peer"]
-        verdict = ("n/a" if ratio is None
-                   else f"{ratio:.2f} ({'meets' if ratio <= 1.0 else 'misses'} target <= 1.00)")
-        lines.append(f"      stage {g['stage']}: {g['zerostate'] or '-'} / fastest peer "
-                     f"({g['fastest_peer'] or '-'}) = {verdict}")
+        verdict = (
+            "n/a"
+            if ratio is None
+            else f"{ratio:.2f} ({'meets' if ratio <= 1.0 else 'misses'} target <= 1.00)"
+        )
+        lines.append(
+            f"      stage {g['stage']}: {g['zerostate'] or '-'} / fastest peer "
+            f"({g['fastest_peer'] or '-'}) = {verdict}"
+        )
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -446,15 +497,19 @@ def launcher_main(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     preset = MODELS[args.model]
-    print(f"model={args.model} {preset} nproc={args.nproc} steps={args.steps} "
-          f"warmup={args.warmup} threads/rank={args.threads}", file=sys.stderr)
+    print(
+        f"model={args.model} {preset} nproc={args.nproc} steps={args.steps} "
+        f"warmup={args.warmup} threads/rank={args.threads}",
+        file=sys.stderr,
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="zs-bench-") as tmp:
         for name in names:
             print(f"  running {name} ...", file=sys.stderr, flush=True)
             r = run_contender(name, args, Path(tmp))
-            status = (f"{r['step_time_median_s'] * 1e3:.1f} ms" if r["ok"]
-                      else f"FAILED: {r['error']}")
+            status = (
+                f"{r['step_time_median_s'] * 1e3:.1f} ms" if r["ok"] else f"FAILED: {r['error']}"
+            )
             print(f"  {name}: {status}", file=sys.stderr, flush=True)
             results.append(r)
     groups = summarize(results)
@@ -462,10 +517,19 @@ def launcher_main(args: argparse.Namespace) -> int:
     if args.json:
         report = {
             "config": {
-                "model": args.model, **preset, "nproc": args.nproc, "steps": args.steps,
-                "warmup": args.warmup, "threads_per_rank": args.threads, "lr": LR,
-                "weight_decay": WEIGHT_DECAY, "precision": "fp32", "seed": SEED,
-                "torch": _version("torch"), "deepspeed": _version("deepspeed"),
+                "model": args.model,
+                **preset,
+                "nproc": args.nproc,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "threads_per_rank": args.threads,
+                "lr": LR,
+                "weight_decay": WEIGHT_DECAY,
+                "precision": "fp32",
+                "seed": SEED,
+                "data_pool": DATA_POOL,
+                "torch": _version("torch"),
+                "deepspeed": _version("deepspeed"),
             },
             "results": results,
             "groups": groups,
@@ -488,21 +552,31 @@ def _version(module: str) -> str | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks per contender (default 2)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--only", help=f"comma-separated subset of {','.join(CONTENDERS)}")
     p.add_argument("--model", choices=list(MODELS), default="small")
     p.add_argument("--json", metavar="OUT", help="also write the full results as JSON")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads per rank (default 1)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)"
+    )
     p.add_argument("--cpu", action="store_true", help="run on CPU/gloo even if CUDA is present")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds before a contender is killed (default 600)")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="echo each contender's torchrun output to stderr")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds before a contender is killed (default 600)",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="echo each contender's torchrun output to stderr",
+    )
     # internal: set by the launcher for the torchrun workers
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
@@ -516,10 +590,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        return worker_main(args)
+        worker_main(args)  # does not return
     if "LOCAL_RANK" in os.environ:
-        print("bench_step.py launches its own torchrun jobs; run it with plain `python`.",
-              file=sys.stderr)
+        print(
+            "bench_step.py launches its own torchrun jobs; run it with plain `python`.",
+            file=sys.stderr,
+        )
         return 2
     return launcher_main(args)
 
