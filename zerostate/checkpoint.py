@@ -22,6 +22,7 @@ import atexit
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.partition import TensorLayout
 from zerostate.store import (
+    StepExistsError,
     StepWriter,
     TensorSpec,
     delete_step,
@@ -97,12 +99,17 @@ class Checkpointer:
         self.engine = engine
         if timeout_s is None:
             # The environment may shorten it (tests, schedulers with tight preemption).
-            timeout_s = float(os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S", DEFAULT_COMMIT_TIMEOUT_S))
+            env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
+            timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
         self.timeout_s = timeout_s
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._snapshot_ready = threading.Event()
+        self._snapshot_ready.set()
+        #: Seconds the training thread waited in before_update() for async snapshots.
+        self.stall_s = 0.0
         atexit.register(self._wait_at_exit)
 
     # ----------------------------------------------------------------- helpers
@@ -152,40 +159,70 @@ class Checkpointer:
             pieces.append(_Piece(spec, source if source is not None else view.local[:0]))
         return pieces + self._rng_pieces()
 
-    def _snapshot(self, pieces: list[_Piece], copy: bool) -> dict[str, torch.Tensor]:
-        """Host tensors holding this rank's owned ranges, safe from later training steps."""
-        on_cuda = any(p.source.is_cuda for p in pieces)
-        stream = torch.cuda.Stream() if on_cuda else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
+    def _host_buffer(self, name: str, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != src.numel() or buf.dtype != src.dtype:
+            buf = torch.empty(src.numel(), dtype=src.dtype, pin_memory=src.is_cuda)
+            self._buffers[name] = buf
+        return buf
+
+    def _snapshot(
+        self, pieces: list[_Piece], blocking: bool
+    ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
+        """Host tensors for this rank's owned ranges, and the copy that fills them.
+
+        Buffers and RNG states can change in any forward pass, so they are copied now. The
+        large states (master weights, Adam moments) change only inside the optimizer step;
+        their copy is returned as a function for the background thread, and the engine's
+        next step waits for it (:meth:`before_update`). See [Note: async save].
+        """
         shards: dict[str, torch.Tensor] = {}
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         for piece in pieces:
-            src = piece.source
+            src, name = piece.source, piece.spec.name
             if src.numel() == 0:
                 continue
-            if not copy and not src.is_cuda:
-                shards[piece.spec.name] = src.contiguous()
+            if blocking and not src.is_cuda:
+                shards[name] = src.contiguous()  # written before save() returns: no copy
                 continue
-            buf = self._buffers.get(piece.spec.name)
-            if buf is None or buf.numel() != src.numel() or buf.dtype != src.dtype:
-                buf = torch.empty(src.numel(), dtype=src.dtype, pin_memory=on_cuda)
-                self._buffers[piece.spec.name] = buf
-            if stream is not None:
-                with torch.cuda.stream(stream):
-                    buf.copy_(src, non_blocking=True)
-            else:
+            buf = self._host_buffer(name, src)
+            if name.startswith(("buffers/", "rng/")) or blocking:
                 buf.copy_(src)
-            shards[piece.spec.name] = buf
-        if stream is not None:
-            # The GPU keeps training only after the copies finished reading the state; the
-            # host does not wait here.
-            torch.cuda.current_stream().wait_stream(stream)
+            else:
+                deferred.append((buf, src))
+            shards[name] = buf
+        if not deferred:
+            return shards, None
+        event = None
+        if any(src.is_cuda for _, src in deferred):
             event = torch.cuda.Event()
-            event.record(stream)
-            self._pending_event = event
-        else:
-            self._pending_event = None
-        return shards
+            event.record(torch.cuda.current_stream())
+        self._snapshot_ready.clear()
+
+        def copy() -> None:
+            try:
+                if event is not None:
+                    stream = torch.cuda.Stream()
+                    stream.wait_event(event)  # copies see the state as of save()
+                    with torch.cuda.stream(stream):
+                        for buf, src in deferred:
+                            buf.copy_(src, non_blocking=True)
+                    stream.synchronize()
+                else:
+                    for buf, src in deferred:
+                        buf.copy_(src)
+            finally:
+                self._snapshot_ready.set()
+
+        return shards, copy
+
+    def before_update(self) -> None:
+        """Called by the engine before it changes master weights or optimizer states:
+        waits until an async save's snapshot has finished reading them."""
+        if not self._snapshot_ready.is_set():
+            t0 = time.perf_counter()
+            self._snapshot_ready.wait()
+            self.stall_s += time.perf_counter() - t0
 
     # -------------------------------------------------------------------- save
     def save(
@@ -202,7 +239,7 @@ class Checkpointer:
         start = time.perf_counter()
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        step = int(self.engine.global_step if step is None else step)
+        step = int(self.engine.optimizer_steps if step is None else step)
         if step < 0 or step > 99_999_999:
             raise ConfigError(f"step must be in [0, 99999999], got {step}")
         attrs = {
@@ -211,22 +248,24 @@ class Checkpointer:
             "saved_at_unix": time.time(),
         }
         self.wait()  # one save in flight; surfaces a previous background failure
+        # Rank 0 checks the target and picks a save id; one all-reduce tells every rank both
+        # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
+        already = 0
         if self.rank == 0:
-            existing = open_checkpoint(path, storage_options=storage_options)
-            if step in existing.steps():
-                self._barrier_error = CheckpointError(
-                    f"step {step} is already committed in {path}; save under another step "
-                    "number or delete it first"
-                )
+            if step in open_checkpoint(path, storage_options=storage_options).steps():
+                already = 1
             else:
-                self._barrier_error = None
                 remove_partial_steps(path, storage_options=storage_options, only_step=step)
-        # Everyone learns rank 0's verdict before writing a byte.
-        verdict = torch.tensor([0 if self.rank != 0 or self._barrier_error is None else 1])
+        token = torch.tensor(
+            [already, secrets.randbits(62) if self.rank == 0 else 0],
+            dtype=torch.int64,
+            device=self.engine.device,
+        )
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(verdict, group=self.engine.group)
-        if int(verdict.item()):
-            raise CheckpointError(
+            dist.all_reduce(token, group=self.engine.group)
+        already, save_id = (int(v) for v in token.tolist())
+        if already:
+            raise StepExistsError(
                 f"step {step} is already committed in {path}; save under another step number "
                 "or delete it first"
             )
@@ -242,13 +281,13 @@ class Checkpointer:
             storage_options=storage_options,
             timeout_s=self.timeout_s,
             progress=progress,
+            save_id=f"{save_id:016x}",
         )
-        shards = self._snapshot(pieces, copy=not blocking)
-        event = self._pending_event
+        shards, copy = self._snapshot(pieces, blocking)
 
         def finish() -> None:
-            if event is not None:
-                event.synchronize()
+            if copy is not None:
+                copy()
             writer.write(shards)
             writer.commit(wait=True)
             if self.rank == 0:
@@ -309,6 +348,7 @@ class Checkpointer:
         strict: bool = True,
     ) -> Any:
         self.wait()
+        self.before_update()
         ckpt = open_checkpoint(path, storage_options=storage_options)
         st = ckpt.step(step)
         views = self.engine.state_views()
