@@ -1,0 +1,146 @@
+"""Run a function on N gloo ranks (CPU) and collect what each returns.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a
+gloo process group on 127.0.0.1 in each, calls ``fn(rank, world_size, *args)`` and returns
+the results in rank order. A worker's exception is re-raised in the caller as
+:class:`WorkerError` carrying every failing rank's traceback; a launch that does not finish
+within ``timeout`` seconds is killed and raises ``TimeoutError``, so tests never hang.
+
+``fn`` must be importable (a module-level function); results must be picklable (tensors
+are fine: they are pickled by value, not shared).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 240.0
+
+
+class WorkerError(RuntimeError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+    sys_path: list[str],
+    pg_timeout_s: float,
+) -> None:
+    sys.path[:] = sys_path
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+) -> list[Any]:
+    """``[fn(rank, world_size, *args, **kwargs) for rank in range(world_size)]`` on gloo."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                fn,
+                rank,
+                world_size,
+                port,
+                args,
+                kwargs,
+                results,
+                list(sys.path),
+                max(30.0, timeout / 2),
+            ),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    deadline = time.monotonic() + timeout
+    got: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(got) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} ranks did not finish within {timeout}s; "
+                    f"ranks done: {sorted(got)}"
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
+                if dead and all(p.exitcode not in (0, None) for p in (procs[r] for r in dead)):
+                    # A rank died without reporting (e.g. a crash); give the queue a moment.
+                    try:
+                        rank, ok, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise WorkerError(f"rank(s) exited without a result: {codes}") from None
+                else:
+                    continue
+            got[rank] = (ok, payload)
+            if not ok:
+                # One rank failed: the others may be blocked in a collective; stop waiting
+                # for them once they had a short grace period to report their own errors.
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    failures = {r: payload for r, (ok, payload) in got.items() if not ok}
+    if failures:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        raise WorkerError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+    return [pickle.loads(got[r][1]) for r in range(world_size)]

@@ -1,0 +1,177 @@
+"""Every ``torch.distributed`` call the engine makes, as free functions returning handles.
+
+[Note: comm accounting]
+Volumes follow the ZeRO paper: an all-reduce of ``X`` elements moves ``2X`` (it is a
+reduce-scatter plus an all-gather); a reduce-scatter or all-gather whose *full* (unsharded)
+tensor has ``X`` elements moves ``X``. What is counted is what is really put on the wire,
+padding included. Collectives that are not part of training (engine construction,
+``full_state_dict``) pass ``stats=None`` and are not counted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zerostate.errors import ConfigError, DistributedMismatchError
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+# torch >= 2.10 names the single-tensor collectives *_single; older releases only have the
+# *_tensor spellings (same semantics).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Per-step communication counters (elements, bytes, calls per collective kind)."""
+
+    current: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0, 0] for k in KINDS})
+    last: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0, 0] for k in KINDS})
+
+    def record(self, kind: str, numel: int, element_size: int) -> None:
+        entry = self.current[kind]
+        entry[0] += numel
+        entry[1] += numel * element_size
+        entry[2] += 1
+
+    def end_step(self) -> None:
+        self.last = self.current
+        self.current = {k: [0, 0, 0] for k in KINDS}
+
+    def report(self) -> dict[str, dict[str, int]]:
+        out = {k: {"elements": v[0], "bytes": v[1], "calls": v[2]} for k, v in self.last.items()}
+        out["total"] = {
+            key: sum(out[k][key] for k in KINDS) for key in ("elements", "bytes", "calls")
+        }
+        return out
+
+
+class Handle(NamedTuple):
+    """A launched collective; ``wait()`` blocks until its output is ready."""
+
+    work: Any
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+
+
+def group_info(group: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group``; errors name the fix when there is no group."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group() first (one process is fine: "
+                "backend='gloo', world_size=1), or launch with torchrun"
+            )
+        return dist.get_rank(), dist.get_world_size()
+    size = group.size() if hasattr(group, "size") else None
+    rank = group.rank() if hasattr(group, "rank") else None
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(
+            f"group has world size {size!r}; pass a process group with at least one rank "
+            "(group=None uses the default group)"
+        )
+    if not isinstance(rank, int) or not 0 <= rank < size:
+        raise ConfigError(
+            f"this process has rank {rank!r} in a group of size {size}: it is not a member; "
+            "construct the Engine only on the group's ranks"
+        )
+    return rank, size
+
+
+def _count(stats: CommStats | None, kind: str, numel: int, tensor: torch.Tensor) -> None:
+    if stats is not None:
+        stats.record(kind, numel, tensor.element_size())
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    *,
+    group: Any,
+    stats: CommStats | None,
+    op: str = "sum",
+    async_op: bool = False,
+) -> Handle:
+    """In-place all-reduce (``op`` is ``"sum"`` or ``"max"``)."""
+    _count(stats, "all_reduce", 2 * tensor.numel(), tensor)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: Any,
+    stats: CommStats | None,
+    async_op: bool = False,
+) -> Handle:
+    """Sum ``input`` (``world_size`` equal segments) across ranks; rank r gets segment r."""
+    _count(stats, "reduce_scatter", input.numel(), input)
+    return Handle(
+        _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    )
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: Any,
+    stats: CommStats | None,
+    async_op: bool = False,
+) -> Handle:
+    """Concatenate every rank's ``input`` into ``output`` (``world_size`` segments)."""
+    _count(stats, "all_gather", output.numel(), output)
+    return Handle(_all_gather_single(output, input, group=group, async_op=async_op))
+
+
+def _digest(obj: Any) -> int:
+    raw = hashlib.sha256(repr(obj).encode()).digest()
+    return int.from_bytes(raw[:8], "little", signed=True)
+
+
+def check_agreement(
+    aspects: dict[str, Any],
+    local_error: BaseException | None,
+    *,
+    group: Any,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    """Make every rank fail together when any rank failed or ranks disagree.
+
+    Each rank contributes an error flag plus one hash per aspect (e.g. parameter names,
+    shapes, config). One all-gather, then every rank reaches the same verdict: the failing
+    rank re-raises its own error, the others raise :class:`DistributedMismatchError`.
+    """
+    names = list(aspects)
+    row = [1 if local_error is not None else 0] + [_digest(aspects[n]) for n in names]
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    rows = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
+    all_gather(rows, mine, group=group, stats=None)
+    table = rows.view(world_size, len(row)).tolist()
+    failed = [r for r, t in enumerate(table) if t[0]]
+    if local_error is not None:
+        raise local_error
+    if failed:
+        raise DistributedMismatchError(
+            f"engine construction failed on rank(s) {failed}; see the error those ranks "
+            "raised, fix it there, and construct the Engine on every rank the same way"
+        )
+    for column, name in enumerate(names, start=1):
+        differ = [r for r, t in enumerate(table) if t[column] != table[0][column]]
+        if differ:
+            raise DistributedMismatchError(
+                f"ranks disagree on {name}: rank(s) {differ} differ from rank 0. Build the "
+                "same model (same parameter names, shapes, dtypes, requires_grad) with the "
+                "same Engine settings on every rank"
+            )

@@ -1,0 +1,166 @@
+"""Engine configuration: one dataclass, validated up front.
+
+Every check raises :class:`~zerostate.errors.ConfigError` naming the field, the value and
+the fix. The engine exchanges a fingerprint of :meth:`EngineConfig.summary` across ranks at
+construction, so ranks configured differently fail together instead of hanging later.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerostate.errors import ConfigError
+from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
+
+#: Working (parameter / gradient / communication) dtype for each precision setting.
+PRECISIONS: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+STAGES = (0, 1, 2, 3)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """Settings of :class:`zerostate.Engine`. Pass them as keyword arguments to ``Engine``."""
+
+    stage: int = 2
+    """ZeRO stage: 0 (data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ params)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    precision: str = "fp32"
+    """Working dtype of parameters, gradients and communication: fp32, bf16 or fp16.
+    Master weights and optimizer states are always fp32."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment decay rates, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, applied to the decay group only (see ``no_decay``)."""
+    bucket_mb: float = 25.0
+    """Size in MiB (of working-dtype elements) of one gradient / parameter bucket."""
+    grad_clip: float | None = None
+    """Clip gradients to this global L2 norm (across all partitions); None disables."""
+    grad_accum_steps: int = 1
+    """Micro-steps (backward calls) per optimizer step."""
+    group: Any = None
+    """torch.distributed process group of the data-parallel ranks; None is the default group."""
+    min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL
+    """Smallest piece a parameter is cut into (see zerostate.partition)."""
+    no_decay: Callable[[str, nn.Parameter], bool] | None = None
+    """``no_decay(name, param)`` is True for parameters without weight decay. Default:
+    parameters with fewer than 2 dimensions (biases, norm weights)."""
+    initial_loss_scale: float = 2.0**16
+    """fp16 only: starting dynamic loss scale."""
+    loss_scale_window: int = 1000
+    """fp16 only: consecutive finite steps after which the loss scale doubles."""
+    min_loss_scale: float = 1.0
+    """fp16 only: the loss scale never drops below this."""
+    init_fn: Callable[[nn.Module], None] | None = None
+    """Stage 3 with a model on the ``meta`` device: ``init_fn(module)`` initialises the
+    parameters (and buffers) a module directly owns. Default: ``module.reset_parameters()``."""
+    init_seed: int = 0
+    """Seed of the deterministic per-module initialisation of a ``meta`` model."""
+    device: str | None = None
+    """Device to materialise a ``meta`` model on; default CUDA's current device if
+    available, else CPU. Ignored for models that already live on a real device."""
+    unit_policy: Callable[[str, nn.Module], bool] | None = None
+    """Stage 3: ``unit_policy(name, module)`` is True for modules whose parameters are
+    gathered together. Default: every module that directly owns parameters."""
+    prefetch: bool = True
+    """Stage 3: start gathering the next unit while the current one computes."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.stage) or self.stage not in STAGES:
+            raise ConfigError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision={self.precision!r} is unknown; use one of {sorted(PRECISIONS)}"
+            )
+        if not _is_real(self.lr) or self.lr < 0:
+            raise ConfigError(f"lr={self.lr!r} must be a finite number >= 0")
+        if (
+            not isinstance(self.betas, (tuple, list))
+            or len(self.betas) != 2
+            or not all(_is_real(b) and 0.0 <= b < 1.0 for b in self.betas)
+        ):
+            raise ConfigError(f"betas={self.betas!r} must be two numbers in [0, 1)")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if not _is_real(self.eps) or self.eps <= 0:
+            raise ConfigError(f"eps={self.eps!r} must be a finite number > 0")
+        if not _is_real(self.weight_decay) or self.weight_decay < 0:
+            raise ConfigError(f"weight_decay={self.weight_decay!r} must be a number >= 0")
+        if not _is_real(self.bucket_mb) or self.bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb={self.bucket_mb!r} must be a number > 0 (e.g. 25)")
+        if self.grad_clip is not None and (not _is_real(self.grad_clip) or self.grad_clip <= 0):
+            raise ConfigError(f"grad_clip={self.grad_clip!r} must be > 0, or None to disable")
+        if not _is_int(self.grad_accum_steps) or self.grad_accum_steps < 1:
+            raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
+        if not _is_int(self.min_shard_numel) or self.min_shard_numel < 1:
+            raise ConfigError(f"min_shard_numel={self.min_shard_numel!r} must be an integer >= 1")
+        for name in ("no_decay", "init_fn", "unit_policy"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise ConfigError(f"{name}={value!r} must be callable or None")
+        if not _is_real(self.initial_loss_scale) or self.initial_loss_scale <= 0:
+            raise ConfigError(
+                f"initial_loss_scale={self.initial_loss_scale!r} must be a number > 0"
+            )
+        if not _is_int(self.loss_scale_window) or self.loss_scale_window < 1:
+            raise ConfigError(
+                f"loss_scale_window={self.loss_scale_window!r} must be an integer >= 1"
+            )
+        if not _is_real(self.min_loss_scale) or self.min_loss_scale <= 0:
+            raise ConfigError(f"min_loss_scale={self.min_loss_scale!r} must be a number > 0")
+        if not _is_int(self.init_seed):
+            raise ConfigError(f"init_seed={self.init_seed!r} must be an integer")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as exc:
+                raise ConfigError(f"device={self.device!r} is not a torch device: {exc}") from None
+        if self.stage != 3 and (self.unit_policy is not None or self.init_fn is not None):
+            warnings.warn(
+                "unit_policy and init_fn only affect stage 3; they are ignored at "
+                f"stage {self.stage}",
+                stacklevel=3,
+            )
+
+    @property
+    def working_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def summary(self) -> dict:
+        """JSON-able settings that must agree across ranks (no callables, no group)."""
+        return {
+            "stage": self.stage,
+            "lr": self.lr,
+            "precision": self.precision,
+            "betas": list(self.betas),
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+            "bucket_mb": self.bucket_mb,
+            "grad_clip": self.grad_clip,
+            "grad_accum_steps": self.grad_accum_steps,
+            "min_shard_numel": self.min_shard_numel,
+            "initial_loss_scale": self.initial_loss_scale,
+            "loss_scale_window": self.loss_scale_window,
+            "min_loss_scale": self.min_loss_scale,
+            "prefetch": self.prefetch,
+        }

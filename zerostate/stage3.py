@@ -1,0 +1,453 @@
+"""Stage 3: parameters partitioned too, gathered just in time per unit.
+
+[Note: stage-3 parameters]
+Every parameter stays an ``nn.Parameter`` of its full shape inside the model, but its
+storage is resized to zero bytes whenever its unit is not gathered; the rank keeps only
+its owned slice (``ShardedParam.local``, working dtype) and the fp32 master/optimizer
+slices. Gathering resizes the storage back and fills it from an all-gather. Autograd's
+saved tensors reference the same storage, so they see the re-gathered values in backward.
+Writes go through ``param.data`` (whose version counter is separate) so autograd never
+sees an in-place change. Never read the module's parameters directly outside forward and
+backward (use ``Engine.full_state_dict``): their storage is empty.
+
+Units (``unit_policy``; default: each module that directly owns parameters). A parameter
+belongs to the deepest selected module that contains it; a parameter owned by several
+modules (a tied weight) or by no selected module belongs to the root unit, which is
+gathered for the whole forward + backward. Lifecycle per iteration:
+
+* forward pre-hook: gather (wait for a prefetch or all-gather now), prefetch the next unit
+  in the forward order recorded on the first iteration;
+* forward hook: register a gradient hook on the outputs (backward pre-hook), free the
+  storage. During backward (activation-checkpoint recomputation) both hooks only gather;
+* output gradient hook: gather again, prefetch the unit that runs backward next;
+* post-accumulate-grad hooks: once all of a unit's trainable parameters have gradients,
+  pack them, drop the full gradients, reduce-scatter asynchronously into the unit's
+  gradient shard (summed over micro-steps), free the storage;
+* after backward: units with some gradients missing are reduced with zeros in their
+  place, everything is awaited and every unit (root included) is freed.
+
+All ranks must run the same autograd graph (as with FSDP): collectives are issued in
+execution order.
+
+Meta-device construction: a model built under ``torch.device("meta")`` is materialised
+module by module (in ``named_modules`` order): the module's own parameters are allocated
+in full, ``init_fn(module)`` (default ``module.reset_parameters()``) runs under a generator
+seeded from ``(init_seed, module name)``, the rank keeps its slices, and the full tensors
+are dropped before the next module. At most one module's parameters are ever full. A
+tied parameter is initialised by the first module that owns it. :func:`deterministic_init`
+applies the same per-module initialisation to an ordinary model, giving identical values.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zerostate import collectives
+from zerostate.collectives import CommStats, Handle
+from zerostate.errors import ConfigError
+from zerostate.sharded import BufferPool, ShardBucket, ShardedParam
+
+MAX_IN_FLIGHT = 2
+
+
+# -- initialisation ------------------------------------------------------------------------
+def _module_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def _run_init(module: nn.Module, name: str, init_fn: Callable[[nn.Module], None] | None) -> None:
+    if init_fn is not None:
+        init_fn(module)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    else:
+        raise ConfigError(
+            f"module {name or '<root>'} ({type(module).__name__}) owns parameters but has no "
+            "reset_parameters(); pass init_fn=callable(module) to initialise it"
+        )
+
+
+def deterministic_init(
+    model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None, seed: int = 0
+) -> None:
+    """Initialise ``model`` in place exactly as a stage-3 ``meta`` build does."""
+    done: set[int] = set()
+    with torch.no_grad():
+        for _ in _init_modules(model, init_fn, seed, done, device=None):
+            pass
+
+
+def _init_modules(
+    model: nn.Module,
+    init_fn: Callable[[nn.Module], None] | None,
+    seed: int,
+    done: set[int],
+    device: torch.device | None,
+) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+    """Per module owning not-yet-initialised parameters: (maybe) materialise, init, yield
+    ``(original parameter, value)`` for each new one, then restore the originals."""
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module._parameters.items() if p is not None]
+        meta_buffers = device is not None and any(
+            b is not None and b.is_meta for b in module._buffers.values()
+        )
+        if not meta_buffers and not any(id(p) not in done for _, p in own):
+            continue
+        originals = dict(own)
+        for n, p in own:
+            if device is not None or id(p) in done:
+                # Materialise, or shield an already-initialised tied weight from init_fn.
+                dev = device if device is not None else p.device
+                fresh = torch.empty(p.shape, dtype=p.dtype, device=dev)
+                module._parameters[n] = nn.Parameter(fresh, requires_grad=p.requires_grad)
+        if device is not None:
+            for n, b in module._buffers.items():
+                if b is not None and b.is_meta:
+                    module._buffers[n] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_module_seed(seed, name))
+            _run_init(module, name, init_fn)
+        for n, p in own:
+            if id(p) not in done:
+                done.add(id(p))
+                yield p, module._parameters[n].detach()
+        module._parameters.update(originals)
+
+
+def materialise(
+    model: nn.Module,
+    sparams: list[ShardedParam],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    init_fn: Callable[[nn.Module], None] | None,
+    seed: int,
+) -> None:
+    """Give every ``ShardedParam`` its local/master slices and swap in storage-resizable
+    full-shape parameters (see [Note: stage-3 parameters])."""
+    by_id = {id(sp.param): sp for sp in sparams}
+    if any(sp.param.is_meta for sp in sparams):
+        with torch.no_grad():
+            values = _init_modules(model, init_fn, seed, set(), device)
+            for param, value in values:
+                _take_shard(by_id[id(param)], value, dtype, device)
+    else:
+        for sp in sparams:
+            _take_shard(sp, sp.param.detach(), dtype, device)
+    replaced = {}
+    for sp in sparams:
+        fresh = nn.Parameter(
+            torch.empty(sp.shape, dtype=dtype, device=device), requires_grad=sp.trainable
+        )
+        fresh.untyped_storage().resize_(0)
+        replaced[id(sp.param)] = fresh
+        sp.param = fresh
+    for module in model.modules():
+        for n, p in module._parameters.items():
+            if p is not None and id(p) in replaced:
+                module._parameters[n] = replaced[id(p)]
+
+
+def _take_shard(sp: ShardedParam, value: torch.Tensor, dtype: torch.dtype, device) -> None:
+    flat = value.reshape(-1)[sp.start : sp.stop]
+    sp.local = flat.to(device=device, dtype=dtype).clone()
+    if dtype == torch.float32:
+        sp.master, sp.master_aliased = sp.local, True
+    else:
+        sp.master = flat.to(device=device, dtype=torch.float32).clone()
+
+
+# -- units ---------------------------------------------------------------------------------
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Unit:
+    def __init__(self, name: str, sparams: list[ShardedParam], world_size: int, rank: int):
+        self.name = name
+        self.params = sparams
+        self.trainable = [p for p in sparams if p.trainable]
+        self.gather_layout = ShardBucket(sparams, world_size, rank)
+        self.grad_layout = ShardBucket(self.trainable, world_size, rank) if self.trainable else None
+        self.grad_shard: torch.Tensor | None = None
+        self.has_grad = False
+        self.state = UnitState.SHARDED
+        self.gather: tuple[Handle, torch.Tensor] | None = None
+        self.num_ready = 0
+        self.reduced = False
+        self.expects_backward = False
+        self.backward_started = False
+        for p in sparams:
+            p.unit = self
+
+
+def _default_policy(name: str, module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values())
+
+
+def build_units(
+    model: nn.Module,
+    sparams: list[ShardedParam],
+    policy: Callable[[str, nn.Module], bool] | None,
+    world_size: int,
+    rank: int,
+) -> tuple[Unit, list[tuple[nn.Module, Unit]]]:
+    policy = policy or _default_policy
+    owners: dict[int, set[str]] = {}
+    selected: dict[str, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(name)
+        if name and policy(name, module):
+            selected.setdefault(name, module)
+    members: dict[str, list[ShardedParam]] = {}
+    for sp in sparams:
+        names = owners[id(sp.param)]
+        target = ""
+        if len(names) == 1:
+            (owner,) = names
+            for s in selected:
+                if (owner == s or owner.startswith(s + ".")) and len(s) > len(target):
+                    target = s
+        members.setdefault(target, []).append(sp)
+    root = Unit("", members.pop("", []), world_size, rank)
+    units = [(selected[n], Unit(n, m, world_size, rank)) for n, m in members.items()]
+    return root, units
+
+
+class Stage3Runtime:
+    """Gathers, frees and reduces units; see [Note: stage-3 parameters]."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sparams: list[ShardedParam],
+        *,
+        world_size: int,
+        rank: int,
+        dtype: torch.dtype,
+        group: Any,
+        stats: CommStats,
+        pool: BufferPool,
+        policy: Callable[[str, nn.Module], bool] | None,
+        prefetch: bool,
+    ) -> None:
+        self.dtype = dtype
+        self.group = group
+        self.stats = stats
+        self.pool = pool
+        self.prefetch = prefetch
+        self.root, pairs = build_units(model, sparams, policy, world_size, rank)
+        self.units = [self.root] + [u for _, u in pairs]
+        self._order: list[Unit] = []
+        self._order_index: dict[int, int] = {}
+        self._recording = True
+        self._pending: list[tuple[Handle, Unit, torch.Tensor, torch.Tensor | None]] = []
+        for module, unit in pairs:
+            module.register_forward_pre_hook(self._make_pre_forward(unit))
+            module.register_forward_hook(self._make_post_forward(unit))
+
+    # -- gathering ---------------------------------------------------------------------
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.state is not UnitState.SHARDED or not unit.params:
+            if unit.state is UnitState.SHARDED:
+                unit.state = UnitState.GATHERED
+            return
+        layout = unit.gather_layout
+        buffer = self.pool.acquire(layout.numel, self.dtype)
+        segment = layout.segment(buffer[: layout.numel])
+        torch._foreach_copy_(layout.shard_views(segment), [p.local for p in unit.params])
+        handle = collectives.all_gather(
+            buffer[: layout.numel], segment, group=self.group, stats=self.stats, async_op=True
+        )
+        unit.gather = (handle, buffer)
+        unit.state = UnitState.GATHERING
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERED:
+            return
+        self._start_gather(unit)
+        if unit.gather is None:
+            return
+        handle, buffer = unit.gather
+        unit.gather = None
+        handle.wait()
+        targets = []
+        for p in unit.params:
+            data = p.param.data
+            data.untyped_storage().resize_(p.numel * data.element_size())
+            targets.append(data.view(-1))
+        with torch.no_grad():
+            unit.gather_layout.unpack(buffer, targets)
+        self.pool.release(buffer)
+        unit.state = UnitState.GATHERED
+
+    def _free(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERING:
+            self._gather(unit)  # a prefetch nobody used: finish it so its buffer returns
+        for p in unit.params:
+            p.param.data.untyped_storage().resize_(0)
+        unit.state = UnitState.SHARDED
+
+    # -- hooks -------------------------------------------------------------------------
+    @staticmethod
+    def _in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: Any) -> None:
+            self._gather(unit)
+            if self._in_backward():
+                return  # checkpoint recomputation: just make the parameters available
+            if self._recording:
+                if id(unit) not in self._order_index:
+                    self._order_index[id(unit)] = len(self._order)
+                    self._order.append(unit)
+            elif self.prefetch:
+                index = self._order_index.get(id(unit))
+                if index is not None and index + 1 < len(self._order):
+                    self._start_gather(self._order[index + 1])
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._in_backward():
+                return  # recomputed activations are used right away by this backward
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit))
+                        unit.expects_backward = True
+            self._free(unit)
+
+        return hook
+
+    def _make_pre_backward(self, unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            if unit.backward_started:
+                return
+            unit.backward_started = True
+            self._gather(unit)
+            if self.prefetch and not self._recording:
+                index = self._order_index.get(id(unit), 0)
+                for prev in reversed(self._order[:index]):
+                    if prev.expects_backward and not prev.backward_started:
+                        self._start_gather(prev)
+                        break
+
+        return hook
+
+    def on_grad_ready(self, param: torch.Tensor, sp: ShardedParam) -> None:
+        unit: Unit = sp.unit
+        unit.num_ready += 1
+        if unit.num_ready == len(unit.trainable):
+            self._reduce(unit)
+            if unit is not self.root:
+                self._free(unit)
+
+    # -- gradients ---------------------------------------------------------------------
+    def _reduce(self, unit: Unit) -> None:
+        while len(self._pending) >= MAX_IN_FLIGHT:
+            self._complete_oldest()
+        unit.reduced = True
+        layout = unit.grad_layout
+        buffer = self.pool.acquire(layout.numel, self.dtype)
+        grads = [p.param.grad for p in unit.trainable]
+        layout.pack(buffer, [None if g is None else g.reshape(-1) for g in grads])
+        for p in unit.trainable:
+            p.param.grad = None
+        if unit.grad_shard is None:
+            unit.grad_shard = torch.zeros(layout.seg_numel, dtype=self.dtype, device=buffer.device)
+            for p, view in zip(unit.trainable, layout.shard_views(unit.grad_shard), strict=True):
+                p.grad_shard = view
+        temp = None
+        out = unit.grad_shard
+        if unit.has_grad:
+            temp = self.pool.acquire(layout.seg_numel, self.dtype)
+            out = temp[: layout.seg_numel]
+        unit.has_grad = True
+        handle = collectives.reduce_scatter(
+            out, buffer[: layout.numel], group=self.group, stats=self.stats, async_op=True
+        )
+        self._pending.append((handle, unit, buffer, temp))
+
+    def _complete_oldest(self) -> None:
+        handle, unit, buffer, temp = self._pending.pop(0)
+        handle.wait()
+        if temp is not None:
+            unit.grad_shard.add_(temp[: unit.grad_shard.numel()])
+            self.pool.release(temp)
+        self.pool.release(buffer)
+
+    # -- iteration boundaries ----------------------------------------------------------
+    def pre_forward_root(self) -> None:
+        self._gather(self.root)
+        if self.prefetch and not self._recording and self._order:
+            self._start_gather(self._order[0])
+
+    def post_forward_root(self) -> None:
+        if not torch.is_grad_enabled():
+            self.release_all()
+
+    def prepare(self) -> None:
+        for unit in self.units:
+            unit.num_ready = 0
+            unit.reduced = False
+
+    def finish(self) -> None:
+        """After backward: reduce partial units, wait for everything, free everything."""
+        for unit in self.units:
+            if unit.trainable and unit.num_ready and not unit.reduced:
+                self._reduce(unit)
+        while self._pending:
+            self._complete_oldest()
+        self.release_all()
+        self._recording = False
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            if unit.state is not UnitState.SHARDED:
+                self._free(unit)
+            unit.expects_backward = False
+            unit.backward_started = False
+
+    def step_grads(self, trainable: list[ShardedParam]) -> list[torch.Tensor]:
+        for unit in self.units:
+            if unit.grad_layout is None:
+                continue
+            if unit.grad_shard is None:
+                unit.grad_shard = torch.zeros(
+                    unit.grad_layout.seg_numel, dtype=self.dtype, device=self.pool.device
+                )
+                for p, view in zip(
+                    unit.trainable, unit.grad_layout.shard_views(unit.grad_shard), strict=True
+                ):
+                    p.grad_shard = view
+            elif not unit.has_grad:
+                unit.grad_shard.zero_()
+        return [p.grad_shard for p in trainable]
+
+    def zero(self) -> None:
+        for unit in self.units:
+            unit.has_grad = False
+
+    def grad_bytes(self) -> int:
+        return sum(
+            u.grad_shard.numel() * u.grad_shard.element_size()
+            for u in self.units
+            if u.grad_shard is not None
+        )
+
+    def gathered_bytes(self) -> int:
+        return sum(p.param.untyped_storage().nbytes() for u in self.units for p in u.params)
