@@ -121,6 +121,7 @@ class Engine:
             device=device,
         )
         self.config: EngineConfig = config
+        self._checkpointer: Any = None  # created by the first save() or load()
         self.module = model
         self.group = group
         self.device = device
@@ -327,6 +328,8 @@ class Engine:
                 coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0).reshape(())
                 torch._foreach_mul_(grads, coef)
         if not overflow:
+            if self._checkpointer is not None:
+                self._checkpointer.before_update()  # an async save may still be reading
             self._optimizer.step(grads)
             self._refresh_trainable()
         self._scaler.update(overflow)
@@ -449,6 +452,50 @@ class Engine:
             return
         if pairs:
             torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+
+    # ------------------------------------------------------------- checkpoints
+    def _ckpt(self) -> Any:
+        if self._checkpointer is None:
+            from zerostate.checkpoint import Checkpointer
+
+            self._checkpointer = Checkpointer(self)
+        return self._checkpointer
+
+    def save(
+        self,
+        path: str,
+        *,
+        step: int | None = None,
+        blocking: bool = True,
+        client_state: Any = None,
+        keep_last: int | None = None,
+        storage_options: dict | None = None,
+    ) -> Any:
+        """Collective: every rank writes its own partitions of master weights, Adam moments,
+        buffers and RNG state under ``path/step-<step>/`` (a local path or fsspec URL).
+
+        ``step`` defaults to the number of optimizer steps taken. Blocking saves return after
+        the step is committed. ``blocking=False`` returns a :class:`~zerostate.checkpoint.
+        SaveHandle` after a snapshot is taken and writes in the background (one save in
+        flight; errors surface at the next save, ``handle.wait()`` or exit). ``client_state``
+        is JSON-able data (a data-loader position, say) that :meth:`load` returns.
+        ``keep_last`` deletes older committed steps beyond that many after the commit.
+        """
+        return self._ckpt().save(
+            path,
+            step=step,
+            blocking=blocking,
+            client_state=client_state,
+            keep_last=keep_last,
+            storage_options=storage_options,
+        )
+
+    def load(
+        self, path: str, *, step: int | None = None, storage_options: dict | None = None
+    ) -> Any:
+        """Collective: load step ``step`` (latest committed when None) written at ANY world
+        size and stage; each rank reads only the ranges it holds. Returns ``client_state``."""
+        return self._ckpt().load(path, step=step, storage_options=storage_options)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters (canonical names) and buffers; collective."""

@@ -52,6 +52,7 @@ def reference_run(num_steps: int) -> tuple[list[float], dict[str, torch.Tensor]]
         [{"params": decay, "weight_decay": w.WEIGHT_DECAY},
          {"params": no_decay, "weight_decay": 0.0}],
         lr=w.LR,
+        eps=w.EPS,
     )
     losses = []
     for step in range(num_steps):
