@@ -3,19 +3,19 @@
 # (resharding 2 -> 1 on load), verifies and consolidates into one safetensors file.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/scripts/env.sh" 2> >(grep -v "is ignored: it is neither" >&2)
+ZEROSTATE_EXTRAS="${ZEROSTATE_EXTRAS-}" source "$ROOT/scripts/env.sh" 2> >(grep -v "is ignored: it is neither" >&2)
 cd "$ROOT"
 RUN="${RUN_DIR:-runs/demo}"
 rm -rf "$RUN" && mkdir -p "$RUN"
 export OMP_NUM_THREADS=1
-echo "== train 30 steps on 2 ranks, saving every 15 (stage 2) =="
+echo "== train 40 steps on 2 ranks, saving every 20 (stage 2) =="
 torchrun --nproc_per_node=2 --master_port="${MASTER_PORT:-29533}" examples/train_gpt.py \
-    --ckpt "$RUN/ckpt" --steps 30 --save-every 15 --stage 2
-echo "== resume on 1 rank from the 2-rank checkpoint, train to step 45 =="
+    --ckpt "$RUN/ckpt" --steps 40 --save-every 20 --stage 2
+echo "== resume on 1 rank from the 2-rank checkpoint (resharded on load), train to step 60 =="
 torchrun --nproc_per_node=1 --master_port="${MASTER_PORT:-29533}" examples/train_gpt.py \
-    --ckpt "$RUN/ckpt" --steps 45 --save-every 15 --stage 2 --resume
+    --ckpt "$RUN/ckpt" --steps 60 --save-every 20 --stage 2 --resume
 echo "== inspect, verify, consolidate =="
-zerostate inspect "$RUN/ckpt"
+zerostate inspect "$RUN/ckpt" | head -4
 zerostate verify "$RUN/ckpt"
 mkdir -p "$RUN/hf"
 zerostate consolidate "$RUN/ckpt" "$RUN/hf/model.safetensors"

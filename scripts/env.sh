@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ZEROSTATE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
-EXTRAS="${ZEROSTATE_EXTRAS:-test}"
+EXTRAS="${ZEROSTATE_EXTRAS-test}"  # set it empty for the library alone
 if [ ! -x "$VENV/bin/python" ]; then
     echo "zerostate: creating virtual environment in $VENV" >&2
     "$PY" -m venv "$VENV"
@@ -15,7 +15,9 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     # torch first and pinned: a bare `torch` requirement in a fresh environment can pull a
     # multi-GB CUDA build. Set ZEROSTATE_TORCH to choose another build (e.g. "torch==2.13.0").
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${ZEROSTATE_TORCH:-torch==2.13.0}"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$EXTRAS]"
+    target="$ROOT"
+    [ -n "$EXTRAS" ] && target="$ROOT[$EXTRAS]"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$target"
     touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -32,23 +32,23 @@ def _assert_trained(result: dict) -> None:
     assert result["loss_last"] < result["loss_first"]
 
 
-def test_torch_peers_and_zerostate_contract(tmp_path):
-    # zs0 may fail (e.g. while the engine is unfinished); that must be reported, not fatal.
-    proc, report = _run(tmp_path, "ddp,zero1opt,fsdp2,zs0")
+ZS = ("zs0", "zs1", "zs2", "zs3")
+
+
+def test_torch_peers_and_zerostate(tmp_path):
+    proc, report = _run(tmp_path, "ddp,zero1opt,fsdp2," + ",".join(ZS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["name"]: r for r in report["results"]}
-    assert set(results) == {"ddp", "zero1opt", "fsdp2", "zs0"}
-    for name in ("ddp", "zero1opt", "fsdp2"):
-        _assert_trained(results[name])
-    zs0 = results["zs0"]
-    assert zs0["ok"] or zs0["error"]
+    assert set(results) == {"ddp", "zero1opt", "fsdp2", *ZS}
+    for r in results.values():
+        _assert_trained(r)
     # Same model, data and optimiser: every contender starts from the same loss.
-    firsts = [r["loss_first"] for r in results.values() if r["ok"]]
+    firsts = [r["loss_first"] for r in results.values()]
     assert max(firsts) - min(firsts) < 1e-4
     groups = {g["stage"]: g for g in report["groups"]}
     assert groups[0]["fastest_peer"] == "ddp" and groups[3]["fastest_peer"] == "fsdp2"
-    if zs0["ok"]:
-        assert groups[0]["ratio_zerostate_over_fastest_peer"] > 0
+    for stage in (0, 1, 3):
+        assert groups[stage]["ratio_zerostate_over_fastest_peer"] > 0
 
 
 @pytest.mark.slow
