@@ -1,4 +1,88 @@
-"""placeholder"""
-def add_parser(subparsers):
-    p = subparsers.add_parser("consolidate", help="consolidate")
-    p.set_defaults(run=lambda a: 0)
+"""``zerostate consolidate``: one step's model weights and buffers to safetensors."""
+
+from __future__ import annotations
+
+import argparse
+
+from zerostate_cli.common import (
+    add_checkpoint_args,
+    add_output_args,
+    arg_type,
+    human_bytes,
+    parse_storage_options,
+    print_json,
+    progress_bar,
+)
+
+from zerostate.store.consolidate import consolidate, parse_dtype, parse_size
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "consolidate",
+        help="export model weights and buffers to safetensors (streaming)",
+        description="Write one step's model weights (fp32 masters) and buffers as "
+        "safetensors, streaming tensor by tensor: host memory stays near one read piece, "
+        "whatever the model size. Optimizer state is not exported. The output appears "
+        "only when complete (written as OUT.partial, then renamed).",
+    )
+    add_checkpoint_args(parser)
+    parser.add_argument(
+        "out",
+        metavar="OUT",
+        help="output file (OUT.safetensors); with --max-shard-size, OUT.safetensors names "
+        "the index (OUT-00001-of-0000N.safetensors beside it) and any other OUT is a "
+        "directory that gets model-*.safetensors + model.safetensors.index.json",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=arg_type(parse_dtype),
+        default=None,
+        metavar="{fp32,bf16,fp16}",
+        help="cast floating-point tensors (default: as stored, fp32)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=arg_type(parse_size),
+        default=None,
+        metavar="SIZE",
+        help="split into Hugging Face style shards of at most SIZE (5GB, 500MB, 2GiB, bytes)",
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+    add_output_args(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with progress_bar(args, "consolidate") as progress:
+        result = consolidate(
+            args.ckpt,
+            args.out,
+            step=args.step,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            progress=progress,
+            force=args.force,
+            storage_options=parse_storage_options(args.storage_option),
+        )
+    if args.json:
+        print_json(
+            {
+                "step": result.step,
+                "files": [str(f) for f in result.files],
+                "index": str(result.index) if result.index else None,
+                "num_tensors": result.num_tensors,
+                "total_bytes": result.total_bytes,
+                "tied": result.tied,
+            }
+        )
+        return 0
+    where = str(result.index) if result.index else str(result.files[0])
+    shards = f" in {len(result.files)} shards" if result.index else ""
+    print(
+        f"wrote step {result.step}: {result.num_tensors} tensors, "
+        f"{human_bytes(result.total_bytes)}{shards} -> {where}"
+    )
+    for alias, canonical in sorted(result.tied.items()):
+        print(f"tied: {alias} is stored once, as {canonical}")
+    return 0

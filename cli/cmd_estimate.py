@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from zerostate.estimate import DEFAULT_K, STAGES, estimate, format_bytes, parse_count
 from zerostate_cli.common import arg_type, positive_int, print_json
+
+from zerostate.estimate import DEFAULT_K, STAGES, estimate, format_bytes, parse_count
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,9 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dp", required=True, type=arg_type(positive_int), help="data-parallel ranks (N)"
     )
-    parser.add_argument(
-        "--stage", type=int, choices=STAGES, default=None, help="only this stage"
-    )
+    parser.add_argument("--stage", type=int, choices=STAGES, default=None, help="only this stage")
     parser.add_argument(
         "--k",
         type=float,

@@ -1,4 +1,140 @@
-"""placeholder"""
-def add_parser(subparsers):
-    p = subparsers.add_parser("inspect", help="inspect")
-    p.set_defaults(run=lambda a: 0)
+"""``zerostate inspect``: what a checkpoint holds, without reading tensor data."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from zerostate_cli.common import (
+    add_checkpoint_args,
+    human_bytes,
+    open_step,
+    parse_storage_options,
+    print_json,
+)
+
+from zerostate.store import format as fmt
+from zerostate.store.storage import open_storage
+
+GROUPS = ("model", "optim", "buffers")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="list steps, world size, stage and tensors of a checkpoint",
+        description="Show a checkpoint's committed (and partial) steps and, for one step, "
+        "its world size, engine settings, format version and every tensor. Reads "
+        "metadata only.",
+    )
+    add_checkpoint_args(parser)
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.set_defaults(run=run)
+
+
+def group_of(name: str) -> str:
+    head = name.split("/", 1)[0]
+    return head if head in GROUPS else "other"
+
+
+def describe(ckpt: Any, st: Any, root: str, storage_options: dict | None) -> dict[str, Any]:
+    engine = st.attrs.get("engine") if isinstance(st.attrs, dict) else None
+    engine = engine if isinstance(engine, dict) else {}
+    tensors = []
+    totals: dict[str, dict[str, int]] = {
+        g: {"num_tensors": 0, "numel": 0, "bytes": 0} for g in (*GROUPS, "other")
+    }
+    for name, info in st.tensors.items():
+        layout = getattr(info, "layout", None)
+        tensors.append(
+            {
+                "name": name,
+                "shape": list(info.shape),
+                "dtype": str(info.dtype).removeprefix("torch."),
+                "numel": int(info.numel),
+                "bytes": int(info.nbytes),
+                "num_chunks": int(layout.num_chunks) if layout is not None else None,
+            }
+        )
+        group = totals[group_of(name)]
+        group["num_tensors"] += 1
+        group["numel"] += int(info.numel)
+        group["bytes"] += int(info.nbytes)
+    totals = {g: t for g, t in totals.items() if t["num_tensors"] or g in GROUPS}
+    committed = list(ckpt.steps())
+    return {
+        "checkpoint": root,
+        "steps": committed,
+        "partial_steps": partial_steps(root, storage_options, committed),
+        "step": st.step,
+        "format_version": st.format_version,
+        "world_size": st.world_size,
+        "stage": engine.get("stage"),
+        "precision": engine.get("precision"),
+        "tied": engine.get("tied") or {},
+        "tensors": tensors,
+        "totals": totals,
+        "total_bytes": sum(t["bytes"] for t in tensors),
+    }
+
+
+def partial_steps(root: str, storage_options: dict | None, committed: list[int]) -> list[int]:
+    """Step directories without a commit record: crashed or in-flight saves."""
+    storage = open_storage(root, storage_options)
+    found = (fmt.parse_step_dir(name) for name in storage.list_dir(""))
+    return sorted(s for s in found if s is not None and s not in set(committed))
+
+
+def run(args: argparse.Namespace) -> int:
+    ckpt, st = open_step(args)
+    data = describe(ckpt, st, args.ckpt, parse_storage_options(args.storage_option))
+    if args.json:
+        print_json(data)
+        return 0
+    steps = data["steps"]
+    print(f"checkpoint {data['checkpoint']}")
+    print(f"committed steps ({len(steps)}): {_step_list(steps)}")
+    if data["partial_steps"]:
+        print(
+            f"partial steps (not committed: crashed or in-flight saves, ignored by loads): "
+            f"{_step_list(data['partial_steps'], latest=False)}"
+        )
+    engine = ", ".join(
+        f"{key} {data[key]}" for key in ("stage", "precision") if data[key] is not None
+    )
+    print(
+        f"step {data['step']}: world size {data['world_size']}, format version "
+        f"{data['format_version']}" + (f", {engine}" if engine else "")
+    )
+    for alias, canonical in sorted(data["tied"].items()):
+        print(f"tied: {alias} -> {canonical}")
+    rows = [
+        (t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], t["bytes"])
+        for t in data["tensors"]
+    ]
+    width = max([len(r[0]) for r in rows] + [6])
+    shape_width = max([len(r[1]) for r in rows] + [5])
+    print(f"{'tensor':<{width}}  {'shape':<{shape_width}}  {'dtype':<9} {'bytes':>14}")
+    for name, shape, dtype, nbytes in rows:
+        print(f"{name:<{width}}  {shape:<{shape_width}}  {dtype:<9} {nbytes:>14,}")
+    for group, total in data["totals"].items():
+        print(
+            f"{group:<8} {total['num_tensors']:>6} tensors {total['numel']:>16,} elements "
+            f"{human_bytes(total['bytes']):>12}"
+        )
+    print(
+        f"{'total':<8} {len(rows):>6} tensors {'':>16}          "
+        f"{human_bytes(data['total_bytes']):>12}"
+    )
+    return 0
+
+
+def _step_list(steps: list[int], limit: int = 20, latest: bool = True) -> str:
+    if not steps:
+        return "none"
+    shown = ", ".join(map(str, steps[-limit:]))
+    return (
+        ("..., " if len(steps) > limit else "")
+        + shown
+        + (f" (latest {steps[-1]})" if latest else "")
+    )

@@ -151,3 +151,11 @@ def human_bytes(num_bytes: float) -> str:
     from zerostate.estimate import format_bytes
 
     return format_bytes(num_bytes)
+
+
+def open_step(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Open ``args.ckpt`` and its ``args.step`` (latest committed when None)."""
+    from zerostate.store.reader import open_checkpoint
+
+    ckpt = open_checkpoint(args.ckpt, storage_options=parse_storage_options(args.storage_option))
+    return ckpt, ckpt.step(getattr(args, "step", None))

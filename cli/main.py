@@ -13,8 +13,6 @@ import os
 import sys
 from typing import NoReturn
 
-from zerostate import __version__
-from zerostate.errors import ZerostateError
 from zerostate_cli import (
     cmd_consolidate,
     cmd_estimate,
@@ -23,6 +21,9 @@ from zerostate_cli import (
     cmd_verify,
 )
 from zerostate_cli.common import CliError
+
+from zerostate import __version__
+from zerostate.errors import ZerostateError
 
 COMMANDS = (cmd_consolidate, cmd_inspect, cmd_verify, cmd_reshard, cmd_estimate)
 

@@ -4,9 +4,11 @@
 The safetensors header holds every tensor's dtype, shape and byte offsets, and all of
 those follow from the step's metadata (:class:`TensorInfo`) without reading any data. So
 the header is computed and written first, then each tensor's bytes are appended in header
-order, read through ``read_range`` in pieces of at most ``piece_bytes``. Host memory is
-thus bounded by about two pieces (the fp32 read buffer and its cast), not by the model,
-which is what zero_to_fp32-style "gather everything, then save" tools run out of.
+order, one stored chunk at a time (see :func:`iter_chunk_payloads`), cast in pieces of at
+most ``piece_bytes`` when a dtype is requested. Host memory is thus bounded by two chunks
+(the one being written and the one being prefetched; a chunk is at most one tensor) plus
+one cast piece, not by the model, which is what zero_to_fp32-style "gather everything,
+then save" tools run out of.
 
 Output is written to ``<file>.partial``, flushed, fsynced and then renamed, so a crash
 never leaves a complete-looking file. A sharded output (``max_shard_size``) renames every
@@ -27,7 +29,9 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,11 +39,12 @@ from typing import Any
 import torch
 
 from zerostate.errors import ConfigError, CorruptCheckpointError
+from zerostate.store.reader import open_checkpoint
 
 #: Called as ``progress(bytes_done, bytes_total)`` after each piece is written.
 ProgressFn = Callable[[int, int], None]
 
-#: Largest piece read and written at once (bytes of the stored dtype).
+#: Largest piece cast at once (bytes of the stored dtype).
 DEFAULT_PIECE_BYTES = 64 << 20
 
 MODEL_PREFIX = "model/"
@@ -282,19 +287,22 @@ def _write_file(
     total: int,
 ) -> int:
     partial = target.with_name(target.name + ".partial")
+    infos = {e.source: st.tensors[e.source] for e in entries}
     try:
         with open(partial, "wb") as f:
             f.write(safetensors_header(entries))
-            for entry in entries:
-                info = st.tensors[entry.source]
-                for piece in _read_pieces(st, entry.source, info, piece_bytes):
-                    if piece.dtype != entry.dtype:
-                        piece = piece.to(entry.dtype)
-                    # A byte view, not a copy: numpy has no bfloat16, uint8 covers all.
-                    f.write(piece.contiguous().view(torch.uint8).numpy().data)
-                    done += piece.numel() * entry.dtype.itemsize
-                    if progress is not None:
-                        progress(done, total)
+            casts = {e.source: e.dtype for e in entries}
+            for chunk in iter_chunk_payloads(st, [e.source for e in entries]):
+                info = infos[chunk.name]
+                out_dtype = casts[chunk.name]
+                if out_dtype == info.dtype:
+                    f.write(chunk.payload)  # the verified bytes, no copy
+                else:
+                    _write_cast(f, chunk.payload, info.dtype, out_dtype, piece_bytes)
+                done += (chunk.stop - chunk.start) * out_dtype.itemsize
+                if progress is not None:
+                    progress(done, total)
+                del chunk  # drop it before the iterator fetches the one after next
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, target)
@@ -305,32 +313,67 @@ def _write_file(
     return done
 
 
-def _read_pieces(st: Any, name: str, info: Any, piece_bytes: int):
-    """Yield ``name`` as consecutive 1-D pieces, reusing one read buffer.
+def _write_cast(
+    f: Any, payload: memoryview, src: torch.dtype, dst: torch.dtype, piece_bytes: int
+) -> None:
+    # Cast in pieces so the converted copy stays small next to the chunk itself.
+    numel = payload.nbytes // src.itemsize
+    step = max(1, piece_bytes // src.itemsize)
+    with warnings.catch_warnings():
+        # frombuffer warns that the bytes are read-only; they are only read here.
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(payload, dtype=src, count=numel) if numel else None
+    for lo in range(0, numel, step):
+        piece = source[lo : lo + step].to(dst)  # type: ignore[index]
+        # A byte view, not a copy: numpy has no bfloat16, uint8 covers every dtype.
+        f.write(piece.view(torch.uint8).numpy().data)
 
-    Pieces never straddle a stored chunk, so no chunk is read (and checksummed) twice
-    for one piece boundary; a chunk larger than ``piece_bytes`` is read in sub-ranges.
+
+@dataclass(frozen=True, slots=True)
+class ChunkPayload:
+    """Elements ``[start, stop)`` of tensor ``name`` (one stored chunk), verified bytes."""
+
+    name: str
+    index: int
+    start: int
+    stop: int
+    payload: memoryview
+
+
+def iter_chunk_payloads(st: Any, names: list[str]) -> Iterator[ChunkPayload]:
+    """Every stored chunk of ``names``, in order, each read once and checksum-verified.
+
+    The store verifies whole chunks, so reading a chunk in sub-ranges would re-read it
+    per sub-range; whole chunks it is. The next chunk is read on a helper thread while
+    the caller consumes this one (file reads and crc32c release the GIL), so at most two
+    chunks are in memory.
     """
-    numel = int(info.numel)
-    piece_numel = max(1, piece_bytes // info.dtype.itemsize)
-    buffer = torch.empty(min(numel, piece_numel), dtype=info.dtype)
-    layout = info.layout
-    chunk = max(1, int(layout.chunk_numel)) if layout is not None else numel or 1
-    start = 0
-    while start < numel:
-        chunk_end = min(numel, (start // chunk + 1) * chunk)
-        stop = min(chunk_end, start + piece_numel)
-        out = buffer[: stop - start]
-        piece = st.read_range(name, start, stop, out=out)
-        yield piece if piece is not None else out
-        start = stop
+    refs = []
+    for name in names:
+        layout = st.tensors[name].layout
+        refs += [(name, i, *layout.chunk_range(i)) for i in range(layout.num_chunks)]
+    if not refs:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-prefetch") as pool:
+        pending: Future | None = pool.submit(st.read_chunk, refs[0][0], refs[0][1])
+        try:
+            for i, (name, index, start, stop) in enumerate(refs):
+                payload = pending.result()  # type: ignore[union-attr]
+                pending = None
+                if i + 1 < len(refs):
+                    pending = pool.submit(st.read_chunk, refs[i + 1][0], refs[i + 1][1])
+                itemsize = st.tensors[name].dtype.itemsize
+                # Trim the edge chunk's padding: zarr stores it at full chunk size.
+                yield ChunkPayload(name, index, start, stop, payload[: (stop - start) * itemsize])
+                del payload
+        finally:
+            if pending is not None:
+                pending.cancel()
 
 
 def _open(ckpt: Any, storage_options: dict | None) -> Any:
     if hasattr(ckpt, "step") and hasattr(ckpt, "steps"):
         return ckpt
-    from zerostate.store import open_checkpoint
-
     return open_checkpoint(os.fspath(ckpt), storage_options=storage_options)
 
 
@@ -380,4 +423,3 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
