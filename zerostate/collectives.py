@@ -134,6 +134,17 @@ def all_gather(
     return Handle(_all_gather_single(output, input, group=group, async_op=async_op))
 
 
+def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:
+    """Overwrite ``tensors`` on every rank with the group's first rank's values (in place).
+
+    Used once at construction, so it is not counted in the per-step statistics.
+    """
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
+    for work in works:
+        work.wait()
+
+
 def _digest(obj: Any) -> int:
     raw = hashlib.sha256(repr(obj).encode()).digest()
     return int.from_bytes(raw[:8], "little", signed=True)

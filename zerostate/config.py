@@ -85,6 +85,10 @@ class EngineConfig:
     gathered together. Default: every module that directly owns parameters."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit while the current one computes."""
+    sync_module_states: bool = True
+    """Broadcast rank 0's initial parameters and buffers to every rank at construction (as
+    DDP does), so ranks that initialised differently still train one model. Ignored for a
+    model on the ``meta`` device, whose stage-3 initialisation is already deterministic."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
@@ -163,4 +167,5 @@ class EngineConfig:
             "loss_scale_window": self.loss_scale_window,
             "min_loss_scale": self.min_loss_scale,
             "prefetch": self.prefetch,
+            "sync_module_states": self.sync_module_states,
         }

@@ -156,6 +156,10 @@ class Engine:
         ]
         self._trainable = [sp for sp in self._params if sp.trainable]
         self._init_buffers()
+        if config.sync_module_states and not any(p.is_meta for _, p in named):
+            with torch.no_grad():
+                states = [p.data for _, p in named] + [b for _, b in model.named_buffers()]
+                collectives.broadcast_from_first([t for t in states if t.numel()], group=group)
 
         self._s3: Stage3Runtime | None = None
         self._reducer: GradReducer | None = None
