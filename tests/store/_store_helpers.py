@@ -1,0 +1,87 @@
+"""Helpers shared by the store tests (imported by file name; pytest puts this dir on path)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from zerostate.partition import plan_layouts
+from zerostate.store import StepWriter, TensorSpec
+
+# Odd sizes on purpose: uneven splits, a tensor smaller than the world size, a scalar, an
+# empty tensor, and the optimizer/buffer naming the engine uses.
+SHAPES: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+    "model/h.0.attn.weight": ((17, 257), torch.float32),
+    "model/h.0.attn.bias": ((5,), torch.float32),
+    "model/wte": ((1000,), torch.float32),
+    "model/ln.weight": ((3, 7), torch.float32),
+    "model/tiny": ((2,), torch.float32),
+    "optim/exp_avg/h.0.attn.weight": ((17, 257), torch.float32),
+    "optim/exp_avg_sq/h.0.attn.weight": ((17, 257), torch.float32),
+    "optim/exp_avg/tiny": ((2,), torch.float32),
+    "buffers/mask": ((3, 7), torch.bfloat16),
+    "buffers/steps": ((), torch.int64),
+    "buffers/empty": ((0, 4), torch.float16),
+    "rng/rank-00001/cpu": ((13,), torch.uint8),
+    "flags": ((9,), torch.bool),
+}
+
+
+def make_tensors(seed: int = 0, shapes=None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in (shapes or SHAPES).items():
+        if dtype.is_floating_point:
+            t = torch.randn(shape, generator=gen).to(dtype)
+        elif dtype == torch.bool:
+            t = torch.randint(0, 2, shape, generator=gen).bool()
+        else:
+            t = torch.randint(0, 200, shape, generator=gen).to(dtype)
+        out[name] = t
+    return out
+
+
+def make_specs(tensors: dict[str, torch.Tensor], world_size: int, min_shard_numel: int = 8):
+    layouts = plan_layouts([t.numel() for t in tensors.values()], world_size, min_shard_numel)
+    return [
+        TensorSpec(name, tuple(t.shape), t.dtype, layout)
+        for (name, t), layout in zip(tensors.items(), layouts, strict=True)
+    ]
+
+
+def owned_shards(tensors: dict[str, torch.Tensor], specs, rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for spec in specs:
+        start, stop = spec.layout.owned_range(rank)
+        if stop > start:
+            out[spec.name] = tensors[spec.name].reshape(-1)[start:stop]
+    return out
+
+
+def write_step(
+    root, step, tensors, *, world_size=3, min_shard_numel=8, attrs=None, storage_options=None, **kw
+) -> list[TensorSpec]:
+    """Write a whole step as ``world_size`` ranks in one process (rank 0 commits last)."""
+    specs = make_specs(tensors, world_size, min_shard_numel)
+    for rank in [*range(1, world_size), 0]:
+        writer = StepWriter(
+            root,
+            step,
+            rank=rank,
+            world_size=world_size,
+            specs=specs,
+            attrs=attrs,
+            storage_options=storage_options,
+            **kw,
+        )
+        writer.write(owned_shards(tensors, specs, rank))
+        writer.commit(wait=False)
+    return specs
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    flat = t.reshape(-1).contiguous()
+    return hashlib.sha256(
+        flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    ).hexdigest()

@@ -1,0 +1,388 @@
+"""Format v1 of the sharded state store: names, paths, dtypes and JSON documents.
+
+Pure functions, no I/O. ``docs/format.md`` is the specification; this module is its
+executable half, shared by the writer and the reader so both agree byte for byte.
+
+[Note: step layout]
+A step is a zarr v3 group ``ROOT/step-<8 digits>/``::
+
+    zarr.json                                  root group (rank 0)
+    <g>/zarr.json                              every intermediate group of a tensor name (rank 0)
+    <tensor>/zarr.json                         array metadata (owner of chunk 0; rank 0 if empty)
+    <tensor>/c/<i>                             chunk i (its owner): raw LE bytes + crc32c (LE u32)
+    _zerostate/zarr.json                       group (rank 0)
+    _zerostate/manifests/zarr.json             group (rank 0)
+    _zerostate/manifests/rank-<5 digits>/zarr.json   a rank's manifest (group attributes)
+    _zerostate/commit/zarr.json                the commit record (group attributes), written last
+
+Manifests and the commit record are zarr group documents so that plain zarr sees a clean
+hierarchy (it warns about any object that is not a zarr node).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerostate.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    UnsafeNameError,
+)
+from zerostate.partition import TensorLayout
+
+if sys.byteorder != "little":  # chunks are written straight from memory
+    raise ImportError("zerostate.store supports little-endian hosts only")
+
+FORMAT_VERSION = 1
+META_DIR = "_zerostate"
+COMMIT_PATH = f"{META_DIR}/commit/zarr.json"
+MANIFEST_DIR = f"{META_DIR}/manifests"
+CHECKSUM_NBYTES = 4
+MAX_STEP = 99_999_999
+MAX_RANKS = 99_999
+
+_COMPONENT = re.compile(r"[A-Za-z0-9_.-]+")
+_STEP_DIR = re.compile(r"step-(\d{8})")
+# Attribute keys the store sets on every array; caller attrs may not shadow them.
+RESERVED_ARRAY_ATTRS = ("shape", "torch_dtype")
+
+# torch dtype name -> (zarr data_type, fill value). Dtypes numpy lacks are stored as the
+# unsigned integer of the same width holding the raw bits; ``torch_dtype`` says what they are.
+_DTYPES: dict[str, tuple[str, Any]] = {
+    "float64": ("float64", 0.0),
+    "float32": ("float32", 0.0),
+    "float16": ("float16", 0.0),
+    "bfloat16": ("uint16", 0),
+    "float8_e4m3fn": ("uint8", 0),
+    "float8_e5m2": ("uint8", 0),
+    "int64": ("int64", 0),
+    "int32": ("int32", 0),
+    "int16": ("int16", 0),
+    "int8": ("int8", 0),
+    "uint8": ("uint8", 0),
+    "uint16": ("uint16", 0),
+    "uint32": ("uint32", 0),
+    "uint64": ("uint64", 0),
+    "bool": ("bool", False),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES or not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ConfigError(f"dtype {dtype} is not storable; supported: {', '.join(sorted(_DTYPES))}")
+    return name
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    """Torch dtype of a stored ``torch_dtype`` string (from storage: never trusted)."""
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise CorruptCheckpointError(f"unknown tensor dtype {name!r} in checkpoint metadata")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"dtype {name!r} is not available in this torch build")
+    return dtype
+
+
+def zarr_data_type(dtype: torch.dtype) -> str:
+    return _DTYPES[dtype_name(dtype)][0]
+
+
+# ------------------------------------------------------------------------------ names
+def validate_name(name: Any, *, what: str = "tensor name", allow_meta: bool = False) -> str:
+    """Return ``name`` if it is a safe ``/``-separated relative name, else raise.
+
+    Each component matches ``[A-Za-z0-9_.-]+`` and is not ``.``/``..``; ``zarr.json`` and
+    ``*.partial`` are reserved for metadata and in-flight files, and the top-level
+    ``_zerostate`` for the store's own documents.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnsafeNameError(f"{what} must be a non-empty string, got {name!r}")
+    parts = name.split("/")
+    for part in parts:
+        if not _COMPONENT.fullmatch(part) or part in (".", ".."):
+            raise UnsafeNameError(
+                f"{what} {name!r} is unsafe: each '/'-separated part must match "
+                "[A-Za-z0-9_.-]+ and not be '.' or '..' (no absolute paths, no empty parts)"
+            )
+        if len(part.encode()) > 200:
+            raise UnsafeNameError(f"{what} {name!r} has a part longer than 200 bytes")
+    if not allow_meta:
+        if parts[0] == META_DIR:
+            raise UnsafeNameError(f"{what} {name!r}: top-level {META_DIR!r} is reserved")
+        for part in parts:
+            if part == "zarr.json" or part.endswith(".partial"):
+                raise UnsafeNameError(
+                    f"{what} {name!r}: 'zarr.json' and '*.partial' are reserved; rename it"
+                )
+    return name
+
+
+def check_name_tree(names: list[str]) -> None:
+    """Names must be unique and no name may be a group of another (``a`` and ``a/b``)."""
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise ConfigError(f"tensor name {name!r} appears twice; names must be unique")
+        seen.add(name)
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            prefix = "/".join(parts[:i])
+            if prefix in seen:
+                raise ConfigError(
+                    f"tensor {prefix!r} is also a group of tensor {name!r}; a zarr array "
+                    "cannot contain other nodes: rename one of them"
+                )
+
+
+def group_paths(names: list[str]) -> list[str]:
+    """Every intermediate group of the tensor names, parents first."""
+    groups: set[str] = set()
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            groups.add("/".join(parts[:i]))
+    return sorted(groups, key=lambda g: (g.count("/"), g))
+
+
+def step_dir(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def chunk_path(name: str, index: int) -> str:
+    return f"{name}/c/{index}"
+
+
+def manifest_path(rank: int) -> str:
+    return f"{MANIFEST_DIR}/rank-{rank:05d}/zarr.json"
+
+
+# ------------------------------------------------------------------------------ JSON
+def dumps(obj: Any) -> bytes:
+    """Canonical JSON (sorted keys, no NaN) so every rank and every run write equal bytes."""
+    return (json.dumps(obj, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
+
+
+def check_json(value: Any, what: str) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{what} must be JSON-serialisable without NaN/inf ({exc}); convert values to "
+            "str/int/float/list/dict first"
+        ) from exc
+    return value
+
+
+def group_document(attributes: dict | None = None) -> bytes:
+    return dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes or {}})
+
+
+def array_document(
+    shape: tuple[int, ...], dtype: torch.dtype, layout: TensorLayout, attrs: dict
+) -> bytes:
+    data_type, fill = _DTYPES[dtype_name(dtype)]
+    attributes = {**attrs, "shape": list(shape), "torch_dtype": dtype_name(dtype)}
+    return dumps(
+        {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": [layout.numel],
+            "data_type": data_type,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [layout.chunk_numel]},
+            },
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": fill,
+            "codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "crc32c"},
+            ],
+            "attributes": attributes,
+            "storage_transformers": [],
+        }
+    )
+
+
+def parse_document(raw: bytes, key: str, where: str) -> dict:
+    """The ``attributes[key]`` dict of a zarr group document read from storage."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{where} is not valid JSON ({exc})") from exc
+    attributes = doc.get("attributes") if isinstance(doc, dict) else None
+    body = attributes.get(key) if isinstance(attributes, dict) else None
+    if not isinstance(body, dict):
+        raise CorruptCheckpointError(f"{where} lacks the attributes.{key} object")
+    return body
+
+
+# ------------------------------------------------------------------------- records
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One stored chunk object: its size in bytes (payload + checksum) and payload crc32c."""
+
+    nbytes: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A tensor of a committed step, as the commit record describes it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: TensorLayout
+    attrs: dict = field(default_factory=dict)
+    chunks: tuple[ChunkRecord, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.numel * self.dtype.itemsize
+
+    def chunk_nbytes(self) -> int:
+        """Stored size of every chunk object: zarr stores the edge chunk at full size."""
+        return self.layout.chunk_numel * self.dtype.itemsize + CHECKSUM_NBYTES
+
+
+def spec_json(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, layout: TensorLayout, attrs: dict
+) -> dict:
+    return {
+        "shape": list(shape),
+        "dtype": dtype_name(dtype),
+        "layout": layout.to_json(),
+        "attrs": attrs,
+    }
+
+
+def specs_digest(tensors: dict[str, dict]) -> str:
+    """Fingerprint of the tensor specs; rank 0 refuses manifests written for other specs."""
+    return hashlib.sha256(dumps(tensors)).hexdigest()
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or value < lo
+        or (hi is not None and value > hi)
+    ):
+        raise CorruptCheckpointError(f"{what} must be an int in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def check_format_version(record: dict, where: str) -> int:
+    version = record.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise CorruptCheckpointError(f"{where} has no integer format_version")
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where} is format version {version}; this zerostate reads version "
+            f"{FORMAT_VERSION} only: upgrade zerostate to read it"
+        )
+    return version
+
+
+def parse_commit_record(
+    record: dict, expected_step: int, where: str
+) -> tuple[int, dict, dict[str, TensorInfo], dict[str, ChunkRecord]]:
+    """Validate a commit record read from storage: ``(world_size, attrs, tensors, files)``.
+
+    Every name and number is checked before use: the record may come from anyone.
+    """
+    check_format_version(record, where)
+    step = _int(record.get("step"), f"{where}: step", 0, MAX_STEP)
+    if step != expected_step:
+        raise CorruptCheckpointError(
+            f"{where} says step {step}, but it lives in step {expected_step}'s directory"
+        )
+    world_size = _int(record.get("world_size"), f"{where}: world_size", 1, MAX_RANKS + 1)
+    attrs = record.get("attrs")
+    tensors_json, files_json = record.get("tensors"), record.get("files")
+    if (
+        not isinstance(attrs, dict)
+        or not isinstance(tensors_json, dict)
+        or not isinstance(files_json, dict)
+    ):
+        raise CorruptCheckpointError(f"{where}: attrs, tensors and files must be objects")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in tensors_json.items():
+        validate_name(name)
+        tensors[name] = _parse_tensor(name, entry, world_size, f"{where}: tensor {name!r}")
+    try:
+        check_name_tree(list(tensors))
+    except ConfigError as exc:
+        raise UnsafeNameError(f"{where}: {exc}") from exc
+    files: dict[str, ChunkRecord] = {}
+    for path, entry in files_json.items():
+        validate_name(path, what="metadata path", allow_meta=True)
+        files[path] = _parse_chunk(entry, f"{where}: file {path!r}")
+    return world_size, attrs, tensors, files
+
+
+def _parse_chunk(entry: Any, what: str) -> ChunkRecord:
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{what}: expected an object, got {entry!r}")
+    return ChunkRecord(
+        _int(entry.get("nbytes"), f"{what}: nbytes", 0),
+        _int(entry.get("crc32c"), f"{what}: crc32c", 0, 0xFFFFFFFF),
+    )
+
+
+def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{what}: expected an object")
+    shape_json = entry.get("shape")
+    if not isinstance(shape_json, list):
+        raise CorruptCheckpointError(f"{what}: shape must be a list")
+    shape = tuple(_int(d, f"{what}: shape", 0) for d in shape_json)
+    dtype = dtype_from_name(entry.get("dtype"))
+    try:
+        layout = TensorLayout.from_json(entry.get("layout"))
+    except (ValueError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{what}: bad layout ({exc})") from exc
+    if layout.numel != math.prod(shape) or layout.world_size != world_size:
+        raise CorruptCheckpointError(
+            f"{what}: layout {layout} does not match shape {shape} / world_size {world_size}"
+        )
+    attrs = entry.get("attrs", {})
+    chunks_json = entry.get("chunks")
+    if not isinstance(attrs, dict) or not isinstance(chunks_json, list):
+        raise CorruptCheckpointError(f"{what}: attrs must be an object and chunks a list")
+    chunks = tuple(_parse_chunk(c, f"{what}: chunk {i}") for i, c in enumerate(chunks_json))
+    info = TensorInfo(name, shape, dtype, layout, attrs, chunks)
+    if len(chunks) != layout.num_chunks:
+        raise CorruptCheckpointError(
+            f"{what}: {len(chunks)} chunk records for {layout.num_chunks} chunks"
+        )
+    for i, chunk in enumerate(chunks):
+        if chunk.nbytes != info.chunk_nbytes():
+            raise CorruptCheckpointError(
+                f"{what}: chunk {i} recorded as {chunk.nbytes} bytes, expected "
+                f"{info.chunk_nbytes()}"
+            )
+    return info

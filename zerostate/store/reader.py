@@ -1,0 +1,322 @@
+"""Reading committed steps: listing, ranged verified reads, verification, cleanup.
+
+Every chunk read is checked: its size against the commit record, its trailing crc32c
+against the payload and against the commit record. Reads are whole chunks, so a ranged
+read fetches every chunk that overlaps the range in full (the checksum covers the chunk).
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import torch
+
+from zerostate.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from zerostate.partition import chunk_reads
+from zerostate.store import format as fmt
+from zerostate.store.format import TensorInfo
+from zerostate.store.storage import Storage, open_storage
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One stored chunk of a step, as :meth:`StepReader.iter_chunks` yields it."""
+
+    tensor: str
+    index: int
+    path: str  # relative to the step directory
+    nbytes: int
+    crc32c: int
+
+
+class CheckpointReader:
+    """A checkpoint root: a directory or URL holding ``step-<8 digits>/`` steps."""
+
+    def __init__(self, storage: Storage, num_threads: int = 8) -> None:
+        self._storage = storage
+        self._num_threads = num_threads
+
+    @property
+    def url(self) -> str:
+        return self._storage.url
+
+    def _step_dirs(self) -> dict[int, str]:
+        out = {}
+        for name in self._storage.list_dir(""):
+            step = fmt.parse_step_dir(name)
+            if step is not None:
+                out[step] = name
+        return out
+
+    def steps(self) -> list[int]:
+        """Committed steps (those with a commit record), ascending.
+
+        A damaged commit record still lists its step; opening it raises
+        CorruptCheckpointError rather than silently rolling back to an older step.
+        """
+        return sorted(
+            s
+            for s, d in self._step_dirs().items()
+            if self._storage.exists(f"{d}/{fmt.COMMIT_PATH}")
+        )
+
+    def latest_step(self) -> int:
+        steps = self.steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no committed step under {self.url}")
+        return steps[-1]
+
+    def step(self, step: int | None = None) -> StepReader:
+        """Open a committed step (the latest when ``step`` is None)."""
+        if step is None:
+            step = self.latest_step()
+        directory = fmt.step_dir(step)
+        where = f"commit record of {self._storage.url_of(directory)}"
+        try:
+            raw = self._storage.read(f"{directory}/{fmt.COMMIT_PATH}")
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed under {self.url} (committed steps: "
+                f"{self.steps()[-10:]})"
+            ) from None
+        record = fmt.parse_document(raw, "zerostate_commit", where)
+        world_size, attrs, tensors, files = fmt.parse_commit_record(record, step, where)
+        return StepReader(
+            self._storage, directory, step, world_size, attrs, tensors, files, self._num_threads
+        )
+
+
+class StepReader:
+    """One committed step. Thread-safe; reads use a small pool (``close`` frees it)."""
+
+    format_version = fmt.FORMAT_VERSION
+
+    def __init__(
+        self,
+        storage: Storage,
+        directory: str,
+        step: int,
+        world_size: int,
+        attrs: dict,
+        tensors: dict[str, TensorInfo],
+        files: dict[str, fmt.ChunkRecord],
+        num_threads: int,
+    ) -> None:
+        self._storage, self._dir = storage, directory
+        self.step, self.world_size, self.attrs, self.tensors = step, world_size, attrs, tensors
+        self._files = files
+        self._num_threads = num_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self._storage.url_of(self._dir)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepReader({self.url!r}, world_size={self.world_size}, {len(self.tensors)} tensors)"
+        )
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> StepReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _map(self, fn: Callable, items: list) -> list:
+        if len(items) <= 1 or self._num_threads <= 1:
+            return [fn(x) for x in items]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="zs-read")
+            pool = self._pool
+        return list(pool.map(fn, items))
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"step {self.step} at {self.url} has no tensor {name!r}") from None
+
+    # ------------------------------------------------------------------ chunks
+    def iter_chunks(self) -> Iterator[ChunkRef]:
+        for name, info in self.tensors.items():
+            for index, record in enumerate(info.chunks):
+                yield ChunkRef(
+                    name, index, fmt.chunk_path(name, index), record.nbytes, record.crc32c
+                )
+
+    def read_chunk(self, name: str, index: int) -> memoryview:
+        """The verified payload of one chunk (full chunk size, edge padding included)."""
+        info = self.info(name)
+        if not 0 <= index < len(info.chunks):
+            raise IndexError(f"{name}: chunk {index} out of range [0, {len(info.chunks)})")
+        record = info.chunks[index]
+        path = f"{self._dir}/{fmt.chunk_path(name, index)}"
+        what = f"tensor {name!r} chunk {index} ({self._storage.url_of(path)})"
+        try:
+            data = self._storage.read(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{what} is missing") from None
+        if len(data) != record.nbytes:
+            raise CorruptCheckpointError(
+                f"{what} is {len(data)} bytes, the commit record says {record.nbytes} "
+                "(truncated or overwritten)"
+            )
+        view = memoryview(data)
+        payload = view[: -fmt.CHECKSUM_NBYTES]
+        actual = crc32c.crc32c(payload)
+        stored = int.from_bytes(view[-fmt.CHECKSUM_NBYTES :], "little")
+        if actual != stored or actual != record.crc32c:
+            raise CorruptCheckpointError(
+                f"{what} fails its checksum (crc32c {actual:#010x}, stored {stored:#010x}, "
+                f"commit record {record.crc32c:#010x}): the data is damaged"
+            )
+        return payload
+
+    # ------------------------------------------------------------------- reads
+    def read_range(
+        self, name: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flat tensor, verified, as a 1-D tensor.
+
+        Only the chunks overlapping the range are read (each in full, in parallel).
+        """
+        info = self.info(name)
+        try:
+            start, stop = operator.index(start), operator.index(stop)
+        except TypeError as exc:
+            raise ConfigError(f"{name}: start/stop must be integers ({exc})") from exc
+        if not 0 <= start <= stop <= info.numel:
+            raise ConfigError(f"{name}: range [{start}, {stop}) is outside [0, {info.numel})")
+        numel = stop - start
+        if out is None:
+            out = torch.empty(numel, dtype=info.dtype)
+        elif (
+            out.dtype != info.dtype
+            or out.dim() != 1
+            or out.numel() != numel
+            or not out.is_contiguous()
+            or out.device.type != "cpu"
+        ):
+            raise ConfigError(
+                f"{name}: out must be a contiguous 1-D CPU {info.dtype} tensor of {numel} "
+                f"elements, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        if numel == 0:
+            return out
+        dest = out.view(torch.uint8).numpy()
+        size = info.dtype.itemsize
+
+        def copy(read: Any) -> None:
+            payload = self.read_chunk(name, read.chunk_index)
+            src = payload[read.chunk_start * size : read.chunk_stop * size]
+            dest[read.out_start * size : (read.out_start + read.numel) * size] = src
+
+        self._map(copy, chunk_reads(info.layout, start, stop))
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor with its logical shape."""
+        info = self.info(name)
+        return self.read_range(name, 0, info.numel).reshape(info.shape)
+
+    def verify(self, progress: Callable[[int], Any] | None = None) -> None:
+        """Re-read every chunk and metadata document; raise listing every problem found."""
+        problems: list[str] = []
+        lock = threading.Lock()
+
+        def check_chunk(ref: ChunkRef) -> None:
+            try:
+                self.read_chunk(ref.tensor, ref.index)
+            except CorruptCheckpointError as exc:
+                with lock:
+                    problems.append(str(exc))
+            if progress is not None:  # logical bytes: the totals add up to info.nbytes
+                info = self.tensors[ref.tensor]
+                start, stop = info.layout.chunk_range(ref.index)
+                progress((stop - start) * info.dtype.itemsize)
+
+        def check_file(item: tuple[str, fmt.ChunkRecord]) -> None:
+            path, record = item
+            url = self._storage.url_of(f"{self._dir}/{path}")
+            try:
+                data = self._storage.read(f"{self._dir}/{path}")
+            except FileNotFoundError:
+                problem = f"metadata {url} is missing"
+            else:
+                ok = len(data) == record.nbytes and crc32c.crc32c(data) == record.crc32c
+                problem = None if ok else f"metadata {url} does not match its checksum"
+            if problem:
+                with lock:
+                    problems.append(problem)
+
+        self._map(check_chunk, list(self.iter_chunks()))
+        self._map(check_file, sorted(self._files.items()))
+        if problems:
+            problems.sort()
+            raise CorruptCheckpointError(
+                f"step {self.step} at {self.url}: {len(problems)} problem(s): "
+                + "; ".join(problems[:20])
+                + (" ..." if len(problems) > 20 else "")
+            )
+
+
+def open_checkpoint(
+    root: str, storage_options: dict | None = None, *, num_threads: int = 8
+) -> CheckpointReader:
+    """Open a checkpoint root (path or fsspec URL) for reading. Nothing is read yet."""
+    return CheckpointReader(open_storage(root, storage_options), num_threads)
+
+
+def remove_partial_steps(
+    root: str,
+    storage_options: dict | None = None,
+    *,
+    only_step: int | None = None,
+    below_step: int | None = None,
+) -> list[int]:
+    """Delete step directories that have no commit record (crashed or abandoned saves).
+
+    ``only_step`` limits this to one step; ``below_step`` to steps smaller than it. Never
+    call it while a save of an affected step may be in flight. Returns the steps removed.
+    """
+    storage = open_storage(root, storage_options)
+    removed = []
+    for name in storage.list_dir(""):
+        step = fmt.parse_step_dir(name)
+        if step is None or (only_step is not None and step != only_step):
+            continue
+        if below_step is not None and step >= below_step:
+            continue
+        if not storage.exists(f"{name}/{fmt.COMMIT_PATH}"):
+            storage.remove_tree(name)
+            removed.append(step)
+    storage.sync_dirs()
+    return removed
+
+
+def delete_step(root: str, step: int, storage_options: dict | None = None) -> None:
+    """Delete one step, committed or not. The commit record goes first, so a crash while
+    deleting leaves a partial step, never a committed step with missing chunks."""
+    storage = open_storage(root, storage_options)
+    directory = fmt.step_dir(step)
+    if directory not in storage.list_dir(""):
+        raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
+    storage.remove(f"{directory}/{fmt.COMMIT_PATH}")
+    storage.sync_dirs()
+    storage.remove_tree(directory)
+    storage.sync_dirs()

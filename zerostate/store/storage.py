@@ -1,0 +1,371 @@
+"""One storage interface over local disk and fsspec URLs (``s3://``, ``memory://``, ...).
+
+Paths handed to a :class:`Storage` are ``/``-separated and relative to the checkpoint root;
+callers validate them (see ``format.validate_name``) before they get here.
+
+[Note: durability]
+``write`` returns once the object is complete and durable, except for directory entries on
+local disk: a local write goes to ``<name>.partial``, is fsynced and renamed over
+``<name>``; the directories whose entries changed are fsynced once per batch by
+``sync_dirs`` (fsyncing the directory after every chunk would serialise the writes).
+Object stores have no directories: an upload (s3fs ``pipe``) is durable when it returns.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import fsspec
+
+from zerostate.errors import CheckpointNotFoundError, ConfigError, StorageError
+
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
+
+# Errors that no retry can fix: give them back at once.
+_PERMANENT_ERRNOS = {
+    errno.ENOENT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EINVAL,
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.EEXIST,
+    errno.EISDIR,
+    errno.ENOTDIR,
+    errno.EDQUOT,
+    errno.ENAMETOOLONG,
+}
+_WRITE_SLICE = 64 << 20  # os.write moves at most ~2 GiB per call; slices keep calls short
+#: Objects larger than this are streamed (multipart) instead of joined into one buffer.
+STREAM_THRESHOLD = 128 << 20
+STREAM_BLOCK = 64 << 20
+_OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
+
+
+class Storage(ABC):
+    """Byte objects under a root. Thread-safe: the writer and reader call it from pools."""
+
+    #: True when paths are real directories (local disk): writers create them up front.
+    has_directories: bool = False
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def url_of(self, path: str) -> str:
+        return f"{self.url}/{path}" if path else self.url
+
+    @abstractmethod
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` at ``path``, atomically and durably."""
+
+    @abstractmethod
+    def read(self, path: str) -> bytes:
+        """The whole object; ``FileNotFoundError`` if absent."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists now (no stale cache: ranks poll with it)."""
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names of the entries directly under ``path``; empty if it does not exist."""
+
+    @abstractmethod
+    def remove(self, path: str) -> None:
+        """Delete one object; absent is fine."""
+
+    @abstractmethod
+    def remove_tree(self, path: str) -> None:
+        """Delete ``path`` and everything under it; absent is fine."""
+
+    def makedirs(self, paths: Sequence[str]) -> None:
+        """Create directories (local disk); a no-op where directories do not exist."""
+        return None  # nothing to do on stores without directories
+
+    def sync_dirs(self) -> None:
+        """Make the directory entries of earlier writes durable (see [Note: durability])."""
+        return None  # nothing to do on stores without directories
+
+    def check_writable(self) -> None:
+        """Raise :class:`StorageError` with the fix when the root cannot be written at all."""
+        return None  # nothing to do on stores without directories
+
+    def _retry(self, what: str, path: str, fn: Callable[[], T], attempts: int = 5) -> T:
+        delay = 0.1
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except FileNotFoundError:
+                raise
+            except OSError as exc:
+                if exc.errno in _PERMANENT_ERRNOS or attempt == attempts - 1:
+                    raise StorageError(
+                        f"{what} {self.url_of(path)} failed"
+                        + (f" after {attempts} attempts" if attempt else "")
+                        + f": {exc}"
+                    ) from exc
+            time.sleep(delay)
+            delay = min(delay * 4, 3.0)
+        raise AssertionError("unreachable")
+
+
+class LocalStorage(Storage):
+    has_directories = True
+
+    def __init__(self, root: str) -> None:
+        root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
+        super().__init__(root)
+        self.root = root
+        self._lock = threading.Lock()
+        self._dirty_dirs: set[str] = set()
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def check_writable(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create checkpoint directory {self.root}: {exc}") from exc
+
+    def makedirs(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            target = self._abs(path)
+            if os.path.isdir(target):
+                continue
+            # Record every directory this creates: each new entry lives in its parent.
+            missing = []
+            cur = target
+            while not os.path.isdir(cur):
+                missing.append(cur)
+                cur = os.path.dirname(cur)
+            try:
+                os.makedirs(target, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create directory {target}: {exc}") from exc
+            with self._lock:
+                self._dirty_dirs.update(os.path.dirname(m) for m in missing)
+
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        target = self._abs(path)
+        partial = target + ".partial"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(partial, flags, 0o644)
+            try:
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view.nbytes:
+                        done = os.write(fd, view[:_WRITE_SLICE])  # releases the GIL
+                        view = view[done:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(partial, target)
+        except OSError as exc:
+            raise StorageError(f"writing {target} failed: {exc}") from exc
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(target))
+
+    def sync_dirs(self) -> None:
+        with self._lock:
+            dirs, self._dirty_dirs = sorted(self._dirty_dirs, key=len, reverse=True), set()
+        for d in dirs:
+            try:
+                fd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                continue  # removed since (e.g. a concurrent delete): nothing to persist
+            except OSError as exc:
+                raise StorageError(f"fsync of directory {d} failed: {exc}") from exc
+
+    def read(self, path: str) -> bytes:
+        target = self._abs(path)
+        try:
+            with open(target, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove(self, path: str) -> None:
+        target = self._abs(path)
+        try:
+            os.remove(target)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(target))
+
+    def remove_tree(self, path: str) -> None:
+        target = self._abs(path)
+        shutil.rmtree(target, ignore_errors=True)
+        if os.path.exists(target):
+            raise StorageError(f"could not remove {target}; check permissions")
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(target))
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem; object stores (S3 and friends) are the case that matters."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        super().__init__(url)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except (ImportError, ValueError, TypeError) as exc:
+            raise StorageError(f"cannot open {url}: {exc}") from exc
+        self.root = root.rstrip("/")
+        protocol = self.fs.protocol
+        self.protocols = {protocol} if isinstance(protocol, str) else set(protocol)
+
+    def _abs(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def check_writable(self) -> None:
+        if not self.protocols & _OBJECT_STORE_PROTOCOLS:
+            return
+        bucket = self.root.split("/", 1)[0]
+        exists = self._retry("checking bucket", "", lambda: self.fs.exists(bucket))
+        if not exists:
+            raise StorageError(
+                f"bucket {bucket!r} of {self.url} does not exist (or these credentials cannot "
+                "see it): create the bucket first or fix the URL / storage_options"
+            )
+
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        target = self._abs(path)
+        views = [memoryview(p).cast("B") for p in parts]
+        total = sum(v.nbytes for v in views)
+
+        def put() -> None:
+            try:
+                if total <= STREAM_THRESHOLD:
+                    self.fs.pipe_file(target, b"".join(views))
+                else:
+                    self._stream(target, views)
+            except FileNotFoundError as exc:
+                # On an object store the only missing thing a PUT can hit is the bucket.
+                raise StorageError(
+                    f"writing {self.url_of(path)} failed: {exc}; does the bucket exist?"
+                ) from exc
+
+        self._retry("writing", path, put)
+
+    def _stream(self, target: str, views: list[memoryview]) -> None:
+        # Big objects go up as a multipart upload in STREAM_BLOCK pieces, so a thread
+        # holds one piece rather than a joined copy of the whole chunk.
+        f = self.fs.open(target, "wb", block_size=STREAM_BLOCK)
+        try:
+            for view in views:
+                for offset in range(0, view.nbytes, STREAM_BLOCK):
+                    f.write(view[offset : offset + STREAM_BLOCK])
+        except BaseException:
+            discard = getattr(f, "discard", None)
+            if discard is not None:
+                discard()  # abort the upload: never complete a partial object
+            raise
+        f.close()  # completes the upload: durable once this returns
+
+    def read(self, path: str) -> bytes:
+        return self._retry("reading", path, lambda: self.fs.cat_file(self._abs(path)))
+
+    def exists(self, path: str) -> bool:
+        target = self._abs(path)
+        self.fs.invalidate_cache(target.rsplit("/", 1)[0])
+        return bool(self._retry("checking", path, lambda: self.fs.exists(target)))
+
+    def list_dir(self, path: str) -> list[str]:
+        target = self._abs(path)
+        self.fs.invalidate_cache(target)
+
+        def ls() -> list[Any]:
+            try:
+                return self.fs.ls(target, detail=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+        names = {str(p).rstrip("/").rsplit("/", 1)[-1] for p in self._retry("listing", path, ls)}
+        return sorted(n for n in names if n)
+
+    def remove(self, path: str) -> None:
+        def rm() -> None:
+            try:
+                self.fs.rm_file(self._abs(path))
+            except FileNotFoundError:
+                pass
+
+        self._retry("deleting", path, rm)
+        self.fs.invalidate_cache(self._abs(path).rsplit("/", 1)[0])
+
+    def remove_tree(self, path: str) -> None:
+        target = self._abs(path)
+
+        def rm() -> None:
+            try:
+                self.fs.rm(target, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self._retry("deleting", path, rm)
+        if "s3" in self.protocols:
+            self._retry("deleting", path, lambda: self._delete_empty_dirs(target))
+        self.fs.invalidate_cache(target)
+
+    def _delete_empty_dirs(self, target: str) -> None:
+        # S3 servers backed by a real filer (SeaweedFS, for one) keep empty "directories"
+        # after their objects are deleted; a leftover step directory would look like a
+        # partial step forever. Delete them as ``<key>/`` markers, deepest first.
+        dirs, queue = [], [target]
+        while queue:
+            d = queue.pop()
+            self.fs.invalidate_cache(d)
+            try:
+                entries = self.fs.ls(d, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            dirs.append(d)
+            queue.extend(e["name"] for e in entries if e.get("type") == "directory")
+        for d in sorted(dirs, key=lambda p: p.count("/"), reverse=True):
+            bucket, _, key = d.partition("/")
+            if key:
+                try:
+                    self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+                except FileNotFoundError:
+                    pass
+
+
+def open_storage(root: Any, storage_options: dict | None = None) -> Storage:
+    """Local disk for plain paths and ``file://``; fsspec for every other URL."""
+    root = os.fspath(root)
+    if not isinstance(root, str) or not root:
+        raise CheckpointNotFoundError(f"checkpoint root must be a path or URL, got {root!r}")
+    if "://" not in root or root.startswith("file://"):
+        if storage_options:
+            raise ConfigError(
+                f"storage_options were given for the local path {root!r}; they apply to "
+                "fsspec URLs only: drop them or use a URL"
+            )
+        return LocalStorage(root)
+    return FsspecStorage(root, storage_options)
