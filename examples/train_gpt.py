@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"step {step:5d}  loss {reduced:.4f}  {tok_s:,.0f} tok/s", flush=True)
             if args.log_json:
+                record = {"step": step, "loss": reduced, "world_size": world_size}
                 with args.log_json.open("a") as f:
-                    f.write(json.dumps({"step": step, "loss": reduced, "world_size": world_size}) + "\n")
+                    f.write(json.dumps(record) + "\n")
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             handle = engine.save(args.ckpt, step=step, blocking=not args.async_save,
                                  client_state={"next_step": step}, keep_last=args.keep_last)

@@ -35,7 +35,7 @@ def test_plan_every_element_owned_once(world_size, min_shard):
     numels = SIZES + [17, 257, 3, 300]
     layouts = plan_layouts(numels, world_size, min_shard)
     assert plan_layouts(numels, world_size, min_shard) == layouts  # deterministic
-    for numel, layout in zip(numels, layouts):
+    for numel, layout in zip(numels, layouts, strict=True):
         owned = sorted(layout.owned_range(r) for r in range(world_size))
         pos = 0
         for lo, hi in owned:

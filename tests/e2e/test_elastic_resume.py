@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import assert_matches_reference, torchrun
+from e2e_common import assert_matches_reference, torchrun
 from safetensors.torch import load_file
 
 import zerostate
@@ -79,6 +79,6 @@ def test_loading_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def _port():
-    from conftest import free_port
+    from e2e_common import free_port
 
     return free_port()

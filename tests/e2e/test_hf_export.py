@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from e2e_common import free_port
 
 transformers = pytest.importorskip("transformers")  # part of the `test` extra
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_matches_reference, torchrun
+from e2e_common import assert_matches_reference, torchrun
 from safetensors.torch import load_file
 
 from zerostate.store import open_checkpoint

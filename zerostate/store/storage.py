@@ -24,7 +24,12 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from zerostate.errors import CheckpointNotFoundError, ConfigError, StorageError
+from zerostate.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    StorageError,
+    ZerostateError,
+)
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -98,15 +103,21 @@ class Storage(ABC):
         """Raise :class:`StorageError` with the fix when the root cannot be written at all."""
         return None  # nothing to do on stores without directories
 
-    def _retry(self, what: str, path: str, fn: Callable[[], T], attempts: int = 5) -> T:
+    _attempts = 5
+
+    def _retry(self, what: str, path: str, fn: Callable[[], T], attempts: int | None = None) -> T:
+        attempts = attempts or self._attempts
         delay = 0.1
         for attempt in range(attempts):
             try:
                 return fn()
-            except FileNotFoundError:
-                raise
-            except OSError as exc:
-                if exc.errno in _PERMANENT_ERRNOS or attempt == attempts - 1:
+            except (FileNotFoundError, ZerostateError, TypeError, AttributeError, NameError):
+                raise  # missing objects are answers, and programming errors are not transient
+            except Exception as exc:
+                # Network clients raise their own classes (botocore's EndpointConnectionError
+                # is no OSError); all of them end up as one StorageError naming the URL.
+                permanent = isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS
+                if permanent or attempt == attempts - 1:
                     raise StorageError(
                         f"{what} {self.url_of(path)} failed"
                         + (f" after {attempts} attempts" if attempt else "")
@@ -227,18 +238,38 @@ class LocalStorage(Storage):
             self._dirty_dirs.add(os.path.dirname(target))
 
 
+def _with_s3_defaults(url: str, storage_options: dict | None) -> dict:
+    """Bounded waits for S3: a server that stops answering must end in an error within
+    minutes, not the hours that stacked client retries and 60 s read timeouts add up to.
+    Options the caller sets win; ``_retry`` above adds the outer retries."""
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", 10)
+    config.setdefault("read_timeout", 30)
+    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    options["config_kwargs"] = config
+    return options
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem; object stores (S3 and friends) are the case that matters."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         super().__init__(url)
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            self.fs, root = fsspec.core.url_to_fs(url, **_with_s3_defaults(url, storage_options))
         except (ImportError, ValueError, TypeError) as exc:
             raise StorageError(f"cannot open {url}: {exc}") from exc
         self.root = root.rstrip("/")
         protocol = self.fs.protocol
         self.protocols = {protocol} if isinstance(protocol, str) else set(protocol)
+        if self.protocols & {"s3", "s3a"} and hasattr(self.fs, "retries"):
+            # s3fs retries timeouts 5 times inside each call; _retry adds the outer,
+            # backed-off attempts, so keep the inner loop short (see _with_s3_defaults).
+            self.fs.retries = min(int(self.fs.retries), 2)
+        self._attempts = 3 if self.protocols & _OBJECT_STORE_PROTOCOLS else 5
 
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
