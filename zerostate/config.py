@@ -82,7 +82,9 @@ class EngineConfig:
     available, else CPU. Ignored for models that already live on a real device."""
     unit_policy: Callable[[str, nn.Module], bool] | None = None
     """Stage 3: ``unit_policy(name, module)`` is True for modules whose parameters are
-    gathered together. Default: every module that directly owns parameters."""
+    gathered together. Default: every child of an ``nn.ModuleList`` (a transformer's
+    blocks; other parameters join the always-gathered root unit), or, in a model without a
+    ModuleList, every module that directly owns parameters."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit while the current one computes."""
     sync_module_states: bool = True

@@ -10,7 +10,8 @@ Writes go through ``param.data`` (whose version counter is separate) so autograd
 sees an in-place change. Never read the module's parameters directly outside forward and
 backward (use ``Engine.full_state_dict``): their storage is empty.
 
-Units (``unit_policy``; default: each module that directly owns parameters). A parameter
+Units (``unit_policy``; default :func:`default_policy`: the children of every
+``nn.ModuleList``, i.e. a transformer's blocks, else each module that owns parameters). A parameter
 belongs to the deepest selected module that contains it; a parameter owned by several
 modules (a tied weight) or by no selected module belongs to the root unit, which is
 gathered for the whole forward + backward. Lifecycle per iteration:
@@ -190,8 +191,24 @@ class Unit:
             p.unit = self
 
 
-def _default_policy(name: str, module: nn.Module) -> bool:
+def _owns_params(name: str, module: nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values())
+
+
+def default_policy(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """Units are the repeated blocks: every child of an ``nn.ModuleList`` (a transformer's
+    layers), so each block is gathered with one collective, as one usually wraps FSDP
+    units; parameters outside the blocks join the root unit. A model without a ModuleList
+    gets one unit per module that directly owns parameters."""
+    blocks = {
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for child, _ in module.named_children()
+    }
+    if blocks:
+        return lambda name, module: name in blocks
+    return _owns_params
 
 
 def build_units(
@@ -201,7 +218,7 @@ def build_units(
     world_size: int,
     rank: int,
 ) -> tuple[Unit, list[tuple[nn.Module, Unit]]]:
-    policy = policy or _default_policy
+    policy = policy or default_policy(model)
     owners: dict[int, set[str]] = {}
     selected: dict[str, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):

@@ -6,7 +6,7 @@ import pytest
 from common import CheckpointedGPT2, compare, engine_steps, make_engine, make_model, reference_run
 from helpers_dist import run_distributed
 
-from zerostate.models.gpt2 import GPT2, Block
+from zerostate.models.gpt2 import GPT2
 from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
 
 STEPS = 20
@@ -19,9 +19,10 @@ VARIANTS = {
     "split64_accum2": (dict(min_shard_numel=64, grad_accum_steps=2), dict(accum=2), None),
     "default_split": (dict(min_shard_numel=DEFAULT_MIN_SHARD_NUMEL, bucket_mb=0.01), {}, None),
     "ckpt_stage3_only": (dict(min_shard_numel=16), {}, CheckpointedGPT2),
-    # Whole transformer blocks as stage-3 units (the rest: one unit per owning module).
-    "block_units_stage3_only": (
-        dict(min_shard_numel=16, unit_policy=lambda name, m: isinstance(m, Block)),
+    # Fine-grained stage-3 units: one per module that owns parameters (the default
+    # gathers whole transformer blocks).
+    "module_units_stage3_only": (
+        dict(min_shard_numel=16, unit_policy=lambda name, m: len(m._parameters) > 0),
         {},
         GPT2,
     ),
