@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from zerostate_cli.main import main
 
 from zerostate.partition import plan_layouts
-from zerostate.store import StepWriter, TensorSpec, open_checkpoint
+from zerostate.store import StepWriter, TensorSpec, open_checkpoint, save_tensors
 
 PARAMS = {"wte.weight": (41, 13), "h.0.w": (13, 29), "h.0.b": (29,)}
 ATTRS = {"engine": {"stage": 2, "precision": "bf16", "tied": {"lm_head.weight": "wte.weight"}}}
@@ -36,20 +36,8 @@ def source_tensors() -> dict[str, torch.Tensor]:
 def write_step(root: str, tensors: dict, world_size: int, step: int, ranks=None) -> None:
     """Write ``step`` as ``world_size`` ranks would; ``ranks`` limits it to some ranks and
     skips the commit (a crashed save)."""
-    layouts = plan_layouts([t.numel() for t in tensors.values()], world_size, 64)
-    specs = [
-        TensorSpec(n, tuple(t.shape), t.dtype, lay)
-        for (n, t), lay in zip(tensors.items(), layouts, strict=True)
-    ]
-    for rank in ranks if ranks is not None else [*range(1, world_size), 0]:
-        w = StepWriter(root, step, rank=rank, world_size=world_size, specs=specs, attrs=ATTRS)
-        shards = {}
-        for s in specs:
-            lo, hi = s.layout.owned_range(rank)
-            shards[s.name] = tensors[s.name].reshape(-1)[lo:hi].clone()
-        w.write(shards)
-        if ranks is None:
-            w.commit(wait=False)  # rank 0, last, waits for the others' manifests
+    save_tensors(root, step, tensors, world_size=world_size, min_shard_numel=64, attrs=ATTRS,
+                 ranks=ranks)
 
 
 @pytest.fixture

@@ -10,8 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from zerostate.errors import CheckpointNotFoundError, ConfigError
-from zerostate.partition import plan_layouts
-from zerostate.store import StepWriter, TensorSpec
+from zerostate.store import save_tensors
 from zerostate.store.consolidate import (
     ExportEntry,
     consolidate,
@@ -44,21 +43,8 @@ def write_checkpoint(
     root: Path, tensors: dict[str, torch.Tensor], world_size: int, step: int = 7, attrs=None
 ) -> None:
     """Every rank's writer in one process; rank 0 commits last (it waits for the others)."""
-    layouts = plan_layouts([t.numel() for t in tensors.values()], world_size, 64)
-    specs = [
-        TensorSpec(name, tuple(t.shape), t.dtype, layout)
-        for (name, t), layout in zip(tensors.items(), layouts, strict=True)
-    ]
-    for rank in [*range(1, world_size), 0]:
-        writer = StepWriter(
-            str(root), step, rank=rank, world_size=world_size, specs=specs, attrs=attrs or {}
-        )
-        shards = {}
-        for spec in specs:
-            start, stop = spec.layout.owned_range(rank)
-            shards[spec.name] = tensors[spec.name].reshape(-1)[start:stop].clone()
-        writer.write(shards)
-        writer.commit(wait=False)  # rank 0, last, waits for all
+    save_tensors(str(root), step, tensors, world_size=world_size, min_shard_numel=64,
+                 attrs=attrs or {})
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from zerostate.errors import ConfigError
 from zerostate.partition import plan_layouts
-from zerostate.store import StepWriter, TensorSpec, open_checkpoint
+from zerostate.store import open_checkpoint, save_tensors
 from zerostate.store.reshard import reshard
 
 SHAPES = {
@@ -29,21 +29,7 @@ def source_tensors() -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor], world_size: int) -> None:
-    layouts = plan_layouts([t.numel() for t in tensors.values()], world_size, 64)
-    specs = [
-        TensorSpec(name, tuple(t.shape), t.dtype, layout)
-        for (name, t), layout in zip(tensors.items(), layouts, strict=True)
-    ]
-    for rank in [*range(1, world_size), 0]:
-        writer = StepWriter(
-            str(root), 5, rank=rank, world_size=world_size, specs=specs, attrs=ATTRS
-        )
-        shards = {}
-        for spec in specs:
-            start, stop = spec.layout.owned_range(rank)
-            shards[spec.name] = tensors[spec.name].reshape(-1)[start:stop].clone()
-        writer.write(shards)
-        writer.commit(wait=False)  # rank 0, last, waits for all
+    save_tensors(str(root), 5, tensors, world_size=world_size, min_shard_numel=64, attrs=ATTRS)
 
 
 @pytest.fixture(scope="module")

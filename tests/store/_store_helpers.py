@@ -6,8 +6,9 @@ import hashlib
 
 import torch
 
-from zerostate.partition import plan_layouts
-from zerostate.store import StepWriter, TensorSpec
+from zerostate.store import TensorSpec, owned_shards, plan_specs, save_tensors
+
+__all__ = ["make_specs", "owned_shards", "write_step", "make_tensors", "tensor_sha256"]
 
 # Odd sizes on purpose: uneven splits, a tensor smaller than the world size, a scalar, an
 # empty tensor, and the optimizer/buffer naming the engine uses.
@@ -43,41 +44,22 @@ def make_tensors(seed: int = 0, shapes=None) -> dict[str, torch.Tensor]:
 
 
 def make_specs(tensors: dict[str, torch.Tensor], world_size: int, min_shard_numel: int = 8):
-    layouts = plan_layouts([t.numel() for t in tensors.values()], world_size, min_shard_numel)
-    return [
-        TensorSpec(name, tuple(t.shape), t.dtype, layout)
-        for (name, t), layout in zip(tensors.items(), layouts, strict=True)
-    ]
-
-
-def owned_shards(tensors: dict[str, torch.Tensor], specs, rank: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for spec in specs:
-        start, stop = spec.layout.owned_range(rank)
-        if stop > start:
-            out[spec.name] = tensors[spec.name].reshape(-1)[start:stop]
-    return out
+    return plan_specs(tensors, world_size, min_shard_numel)
 
 
 def write_step(
-    root, step, tensors, *, world_size=3, min_shard_numel=8, attrs=None, storage_options=None, **kw
+    root, step, tensors, *, world_size=3, min_shard_numel=8, attrs=None, storage_options=None
 ) -> list[TensorSpec]:
     """Write a whole step as ``world_size`` ranks in one process (rank 0 commits last)."""
-    specs = make_specs(tensors, world_size, min_shard_numel)
-    for rank in [*range(1, world_size), 0]:
-        writer = StepWriter(
-            root,
-            step,
-            rank=rank,
-            world_size=world_size,
-            specs=specs,
-            attrs=attrs,
-            storage_options=storage_options,
-            **kw,
-        )
-        writer.write(owned_shards(tensors, specs, rank))
-        writer.commit(wait=False)
-    return specs
+    return save_tensors(
+        root,
+        step,
+        tensors,
+        world_size=world_size,
+        min_shard_numel=min_shard_numel,
+        attrs=attrs,
+        storage_options=storage_options,
+    )
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

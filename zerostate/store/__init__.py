@@ -11,6 +11,7 @@ from zerostate.store.reader import (
     remove_partial_steps,
 )
 from zerostate.store.storage import FsspecStorage, LocalStorage, Storage, open_storage
+from zerostate.store.tensors import owned_shards, plan_specs, save_tensors
 from zerostate.store.writer import StepExistsError, StepWriter, TensorSpec
 
 __all__ = [
@@ -29,5 +30,8 @@ __all__ = [
     "delete_step",
     "open_checkpoint",
     "open_storage",
+    "owned_shards",
+    "plan_specs",
     "remove_partial_steps",
+    "save_tensors",
 ]

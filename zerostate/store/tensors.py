@@ -1,0 +1,78 @@
+"""Write whole tensors as a checkpoint step from one process.
+
+For conversions (importing weights from elsewhere), tools and tests: the process plays
+every rank of a ``world_size``-rank save in turn, so the result is exactly what that many
+ranks would have written, and any number of ranks can load it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL, plan_layouts
+from zerostate.store.writer import StepWriter, TensorSpec
+
+
+def plan_specs(
+    tensors: Mapping[str, torch.Tensor],
+    world_size: int,
+    min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL,
+) -> list[TensorSpec]:
+    """One :class:`TensorSpec` per tensor, laid out by ``plan_layouts`` in mapping order."""
+    layouts = plan_layouts([t.numel() for t in tensors.values()], world_size, min_shard_numel)
+    return [
+        TensorSpec(name, tuple(t.shape), t.dtype, layout)
+        for (name, t), layout in zip(tensors.items(), layouts, strict=True)
+    ]
+
+
+def owned_shards(
+    tensors: Mapping[str, torch.Tensor], specs: Iterable[TensorSpec], rank: int
+) -> dict[str, torch.Tensor]:
+    """``rank``'s owned range of every tensor (flattened), as :meth:`StepWriter.write` takes."""
+    out = {}
+    for spec in specs:
+        start, stop = spec.layout.owned_range(rank)
+        if stop > start:
+            out[spec.name] = tensors[spec.name].reshape(-1)[start:stop]
+    return out
+
+
+def save_tensors(
+    root: str,
+    step: int,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    world_size: int = 1,
+    min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL,
+    attrs: dict | None = None,
+    storage_options: dict | None = None,
+    ranks: Iterable[int] | None = None,
+    progress: Callable[[int], Any] | None = None,
+) -> list[TensorSpec]:
+    """Write ``tensors`` (full, CPU) as step ``step`` of a ``world_size``-rank checkpoint.
+
+    ``ranks`` writes only those ranks and does not commit (what a crashed save leaves);
+    by default every rank writes and rank 0 commits last. Returns the specs written.
+    """
+    specs = plan_specs(tensors, world_size, min_shard_numel)
+    commit = ranks is None
+    order = [*range(1, world_size), 0] if ranks is None else list(ranks)
+    for rank in order:
+        writer = StepWriter(
+            root,
+            step,
+            rank=rank,
+            world_size=world_size,
+            specs=specs,
+            attrs=attrs,
+            storage_options=storage_options,
+            progress=progress,
+        )
+        writer.write(owned_shards(tensors, specs, rank))
+        if commit:
+            writer.commit(wait=False)  # rank 0 goes last and waits for every manifest
+    return specs
