@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`zerostate inspect CKPT | head`): stop quietly, as Unix tools
+        # do, and keep Python from complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except CliError as exc:
         return _fail(str(exc), exc.exit_code)
     except (ZerostateError, OSError) as exc:

@@ -15,7 +15,8 @@ echo "== resume on 1 rank from the 2-rank checkpoint (resharded on load), train 
 torchrun --nproc_per_node=1 --master_port="${MASTER_PORT:-29533}" examples/train_gpt.py \
     --ckpt "$RUN/ckpt" --steps 60 --save-every 20 --stage 2 --resume
 echo "== inspect, verify, consolidate =="
-zerostate inspect "$RUN/ckpt" | head -4
+zerostate inspect "$RUN/ckpt" > "$RUN/inspect.txt"
+head -4 "$RUN/inspect.txt"
 zerostate verify "$RUN/ckpt"
 mkdir -p "$RUN/hf"
 zerostate consolidate "$RUN/ckpt" "$RUN/hf/model.safetensors"

@@ -271,3 +271,16 @@ def test_s3_via_storage_options_and_missing_bucket(s3_server, tmp_path: Path, ca
     missing = f"s3://zs-missing-{uuid.uuid4().hex[:8]}/run"
     code, _, err = run_cli(["inspect", missing, *flags], capsys)
     assert_one_line_error(code, err)
+
+
+def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
+    # Enough tensors that the listing overflows the pipe buffer after `head` has gone.
+    tensors = {f"model/layer.{i}.weight": torch.zeros(3) for i in range(3000)}
+    root = tmp_path / "many"
+    save_tensors(str(root), 1, tensors, world_size=1)
+    cmd = f"{sys.executable} -m zerostate_cli.main inspect {root} | head -1"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("checkpoint ")
+    assert "error" not in proc.stderr.lower()
