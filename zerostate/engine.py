@@ -495,11 +495,19 @@ class Engine:
         )
 
     def load(
-        self, path: str, *, step: int | None = None, storage_options: dict | None = None
+        self,
+        path: str,
+        *,
+        step: int | None = None,
+        storage_options: dict | None = None,
+        strict: bool = True,
     ) -> Any:
         """Collective: load step ``step`` (latest committed when None) written at ANY world
-        size and stage; each rank reads only the ranges it holds. Returns ``client_state``."""
-        return self._ckpt().load(path, step=step, storage_options=storage_options)
+        size and stage; each rank reads only the ranges it holds. Returns ``client_state``.
+        ``strict=False`` leaves state the checkpoint lacks as it is (new parameters, say)."""
+        return self._ckpt().load(
+            path, step=step, storage_options=storage_options, strict=strict
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters (canonical names) and buffers; collective."""

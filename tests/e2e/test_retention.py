@@ -62,3 +62,22 @@ def test_bad_save_arguments(engine, tmp_path):
     with pytest.raises(zerostate.ConfigError, match="keep_last"):
         engine.save(root, step=8, keep_last=0)
     assert open_checkpoint(root).steps() == [1]
+
+
+def test_loading_another_models_checkpoint_names_the_problem(engine, tmp_path):
+    from zerostate.errors import CheckpointError
+    from zerostate.models import GPT2, GPT2Config
+
+    root = str(tmp_path / "ckpt")
+    _train_step(engine, 0)
+    engine.save(root)
+    wider = zerostate.Engine(
+        GPT2(GPT2Config(vocab_size=64, n_positions=16, n_embd=48, n_layer=2, n_head=4)), stage=2
+    )
+    with pytest.raises(CheckpointError, match=r"shape .*48"):
+        wider.load(root)
+    deeper = zerostate.Engine(
+        GPT2(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=4)), stage=2
+    )
+    with pytest.raises(CheckpointError, match=r"lacks 36 tensor.*transformer\.h\.2\."):
+        deeper.load(root)
