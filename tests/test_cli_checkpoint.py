@@ -15,8 +15,7 @@ import torch
 from safetensors.torch import load_file
 from zerostate_cli.main import main
 
-from zerostate.partition import plan_layouts
-from zerostate.store import StepWriter, TensorSpec, open_checkpoint, save_tensors
+from zerostate.store import open_checkpoint, save_tensors
 
 PARAMS = {"wte.weight": (41, 13), "h.0.w": (13, 29), "h.0.b": (29,)}
 ATTRS = {"engine": {"stage": 2, "precision": "bf16", "tied": {"lm_head.weight": "wte.weight"}}}
@@ -249,14 +248,7 @@ def test_s3_via_storage_options_and_missing_bucket(s3_server, tmp_path: Path, ca
     bucket, options = s3_server.new_bucket()
     root = f"s3://{bucket}/run"
     tensors = source_tensors()
-    layouts = plan_layouts([t.numel() for t in tensors.values()], 1, 64)
-    specs = [
-        TensorSpec(n, tuple(t.shape), t.dtype, lay)
-        for (n, t), lay in zip(tensors.items(), layouts, strict=True)
-    ]
-    w = StepWriter(root, 4, rank=0, world_size=1, specs=specs, storage_options=options)
-    w.write({n: t.reshape(-1).clone() for n, t in tensors.items()})
-    w.commit()
+    save_tensors(root, 4, tensors, world_size=1, min_shard_numel=64, storage_options=options)
     flags = [
         "--storage-option", f"key={s3_server.key}",
         "--storage-option", f"secret={s3_server.secret}",
@@ -271,6 +263,7 @@ def test_s3_via_storage_options_and_missing_bucket(s3_server, tmp_path: Path, ca
     missing = f"s3://zs-missing-{uuid.uuid4().hex[:8]}/run"
     code, _, err = run_cli(["inspect", missing, *flags], capsys)
     assert_one_line_error(code, err)
+    assert "does not exist" in err and "zs-missing-" in err
 
 
 def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):

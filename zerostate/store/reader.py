@@ -69,7 +69,11 @@ class CheckpointReader:
     def latest_step(self) -> int:
         steps = self.steps()
         if not steps:
-            raise CheckpointNotFoundError(f"no committed step under {self.url}")
+            # An object store lists a missing bucket as empty: name that cause instead.
+            self._storage.check_writable()
+            partial = sorted(self._step_dirs())
+            hint = f" (only partial, uncommitted steps: {partial[-5:]})" if partial else ""
+            raise CheckpointNotFoundError(f"no committed step under {self.url}{hint}")
         return steps[-1]
 
     def step(self, step: int | None = None) -> StepReader:
