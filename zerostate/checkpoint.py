@@ -385,9 +385,19 @@ class Checkpointer:
         numel = view.local.numel()
         if numel == 0:
             return
-        data = st.read_range(view.name, view.local_start, view.local_start + numel)
+        start, stop = view.local_start, view.local_start + numel
+        local = view.local
+        if (
+            local.device.type == "cpu"
+            and local.is_contiguous()
+            and local.dtype == st.tensors[view.name].dtype
+        ):
+            # Straight into the engine's own memory: no temporary, no second copy.
+            st.read_range(view.name, start, stop, out=local.detach().view(-1))
+            return
+        data = st.read_range(view.name, start, stop)
         with torch.no_grad():
-            view.local.reshape(-1).copy_(data.to(view.local.dtype))
+            local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
 
     def _restore_rng(self, st: Any) -> None:
         if st.world_size != self.world_size:

@@ -197,7 +197,9 @@ class StepReader:
     ) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flat tensor, verified, as a 1-D tensor.
 
-        Only the chunks overlapping the range are read (each in full, in parallel).
+        Only the chunks overlapping the range are read (each in full, in parallel; the
+        requested bytes land in ``out`` directly). If a chunk fails its checks the error is
+        raised and ``out`` may hold part of the data.
         """
         info = self.info(name)
         try:
@@ -222,16 +224,50 @@ class StepReader:
             )
         if numel == 0:
             return out
-        dest = out.view(torch.uint8).numpy()
+        dest = memoryview(out.view(torch.uint8).numpy()).cast("B")
         size = info.dtype.itemsize
 
         def copy(read: Any) -> None:
-            payload = self.read_chunk(name, read.chunk_index)
-            src = payload[read.chunk_start * size : read.chunk_stop * size]
-            dest[read.out_start * size : (read.out_start + read.numel) * size] = src
+            self._read_chunk_into(
+                name,
+                read.chunk_index,
+                read.chunk_start * size,
+                dest[read.out_start * size : (read.out_start + read.numel) * size],
+            )
 
         self._map(copy, chunk_reads(info.layout, start, stop))
         return out
+
+    def _read_chunk_into(self, name: str, index: int, offset: int, dest: memoryview) -> None:
+        """Verify chunk ``index`` of ``name`` and land its payload bytes
+        ``[offset, offset + len(dest))`` straight in ``dest``. The rest of the chunk is
+        still read (the checksum covers all of it) but into scratch space."""
+        record = self.info(name).chunks[index]
+        path = f"{self._dir}/{fmt.chunk_path(name, index)}"
+        what = f"tensor {name!r} chunk {index} ({self._storage.url_of(path)})"
+        tail = record.nbytes - offset - dest.nbytes
+        if offset < 0 or tail < fmt.CHECKSUM_NBYTES:
+            raise CorruptCheckpointError(
+                f"{what}: the commit record's size {record.nbytes} is too small for the layout"
+            )
+        head, rest = memoryview(bytearray(offset)), memoryview(bytearray(tail))
+        try:
+            size = self._storage.read_into(path, [head, dest, rest])
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{what} is missing") from None
+        if size != record.nbytes:
+            raise CorruptCheckpointError(
+                f"{what} is {size} bytes, the commit record says {record.nbytes} "
+                "(truncated or overwritten)"
+            )
+        body = rest[: -fmt.CHECKSUM_NBYTES]
+        actual = crc32c.crc32c(body, crc32c.crc32c(dest, crc32c.crc32c(head)))
+        stored = int.from_bytes(rest[-fmt.CHECKSUM_NBYTES :], "little")
+        if actual != stored or actual != record.crc32c:
+            raise CorruptCheckpointError(
+                f"{what} fails its checksum (crc32c {actual:#010x}, stored {stored:#010x}, "
+                f"commit record {record.crc32c:#010x}): the data is damaged"
+            )
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor with its logical shape."""

@@ -75,6 +75,19 @@ class Storage(ABC):
     def read(self, path: str) -> bytes:
         """The whole object; ``FileNotFoundError`` if absent."""
 
+    def read_into(self, path: str, parts: Sequence[memoryview]) -> int:
+        """Fill ``parts`` (writable byte views) with the object's bytes in order, when the
+        object is exactly as long as they are together; return the object's size either
+        way. ``FileNotFoundError`` if absent. Lets readers land bytes in their final place
+        without an intermediate copy."""
+        data = self.read(path)
+        if len(data) == sum(p.nbytes for p in parts):
+            offset = 0
+            for part in parts:
+                part[:] = data[offset : offset + part.nbytes]
+                offset += part.nbytes
+        return len(data)
+
     @abstractmethod
     def exists(self, path: str) -> bool:
         """Whether ``path`` exists now (no stale cache: ranks poll with it)."""
@@ -206,6 +219,26 @@ class LocalStorage(Storage):
         try:
             with open(target, "rb") as f:
                 return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+
+    def read_into(self, path: str, parts: Sequence[memoryview]) -> int:
+        target = self._abs(path)
+        try:
+            with open(target, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != sum(p.nbytes for p in parts):
+                    return size
+                for part in parts:
+                    got = 0
+                    while got < part.nbytes:
+                        n = f.readinto(part[got:])
+                        if not n:
+                            return got  # shrank while reading: reported as truncated
+                        got += n
+                return size
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
         except OSError as exc:
