@@ -40,8 +40,8 @@ from zerostate.store import (
     StepExistsError,
     StepWriter,
     TensorSpec,
-    delete_step,
     open_checkpoint,
+    prune_steps,
     remove_partial_steps,
 )
 
@@ -252,7 +252,7 @@ class Checkpointer:
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
         already = 0
         if self.rank == 0:
-            if step in open_checkpoint(path, storage_options=storage_options).steps():
+            if open_checkpoint(path, storage_options=storage_options).is_committed(step):
                 already = 1
             else:
                 remove_partial_steps(path, storage_options=storage_options, only_step=step)
@@ -306,23 +306,17 @@ class Checkpointer:
             self._inflight = handle
         return handle
 
+    @staticmethod
     def _retain(
-        self, path: str, step: int, keep_last: int | None, storage_options: dict | None
+        path: str, step: int, keep_last: int | None, storage_options: dict | None
     ) -> None:
-        ckpt = open_checkpoint(path, storage_options=storage_options)
-        steps = ckpt.steps()
         # Partial steps older than the one just committed belong to crashed saves.
-        remove_partial_steps(path, storage_options=storage_options, below_step=step)
-        if keep_last is None:
-            return
-        newest = max(steps) if steps else step
-        for old in steps[: max(0, len(steps) - keep_last)]:
-            if old == newest:
-                continue
-            try:
-                delete_step(path, old, storage_options=storage_options)
-            except Exception as exc:  # retention must not fail a good save
-                log.warning("zerostate: could not delete old step %d in %s: %s", old, path, exc)
+        try:
+            prune_steps(
+                path, keep_last=keep_last, partial_below=step, storage_options=storage_options
+            )
+        except Exception as exc:  # retention must not fail a good save
+            log.warning("zerostate: retention in %s after step %d failed: %s", path, step, exc)
 
     def wait(self) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ from zerostate.store.reader import (
     StepReader,
     delete_step,
     open_checkpoint,
+    prune_steps,
     remove_partial_steps,
 )
 from zerostate.store.storage import FsspecStorage, LocalStorage, Storage, open_storage
@@ -32,6 +33,7 @@ __all__ = [
     "open_storage",
     "owned_shards",
     "plan_specs",
+    "prune_steps",
     "remove_partial_steps",
     "save_tensors",
 ]

@@ -46,13 +46,10 @@ class CheckpointReader:
     def url(self) -> str:
         return self._storage.url
 
-    def _step_dirs(self) -> dict[int, str]:
-        out = {}
-        for name in self._storage.list_dir(""):
-            step = fmt.parse_step_dir(name)
-            if step is not None:
-                out[step] = name
-        return out
+    def scan(self) -> tuple[list[int], list[int]]:
+        """``(committed, partial)`` steps, ascending: one listing of the root and one
+        existence check of each step's commit record."""
+        return _scan(self._storage)
 
     def steps(self) -> list[int]:
         """Committed steps (those with a commit record), ascending.
@@ -60,21 +57,20 @@ class CheckpointReader:
         A damaged commit record still lists its step; opening it raises
         CorruptCheckpointError rather than silently rolling back to an older step.
         """
-        return sorted(
-            s
-            for s, d in self._step_dirs().items()
-            if self._storage.exists(f"{d}/{fmt.COMMIT_PATH}")
-        )
+        return self.scan()[0]
+
+    def is_committed(self, step: int) -> bool:
+        """Whether ``step`` has a commit record (one existence check, no listing)."""
+        return self._storage.exists(f"{fmt.step_dir(step)}/{fmt.COMMIT_PATH}")
 
     def latest_step(self) -> int:
-        steps = self.steps()
-        if not steps:
+        committed, partial = self.scan()
+        if not committed:
             # An object store lists a missing bucket as empty: name that cause instead.
             self._storage.check_writable()
-            partial = sorted(self._step_dirs())
             hint = f" (only partial, uncommitted steps: {partial[-5:]})" if partial else ""
             raise CheckpointNotFoundError(f"no committed step under {self.url}{hint}")
-        return steps[-1]
+        return committed[-1]
 
     def step(self, step: int | None = None) -> StepReader:
         """Open a committed step (the latest when ``step`` is None)."""
@@ -322,6 +318,32 @@ def open_checkpoint(
     return CheckpointReader(open_storage(root, storage_options), num_threads)
 
 
+def _step_dirs(storage: Storage) -> dict[int, str]:
+    out = {}
+    for name in storage.list_dir(""):
+        step = fmt.parse_step_dir(name)
+        if step is not None:
+            out[step] = name
+    return out
+
+
+def _scan(storage: Storage) -> tuple[list[int], list[int]]:
+    committed, partial = [], []
+    for step, name in sorted(_step_dirs(storage).items()):
+        has_record = storage.exists(f"{name}/{fmt.COMMIT_PATH}")
+        (committed if has_record else partial).append(step)
+    return committed, partial
+
+
+def _delete_dir(storage: Storage, step: int) -> None:
+    # The commit record goes first, so a crash while deleting leaves a partial step, never
+    # a committed step with missing chunks.
+    directory = fmt.step_dir(step)
+    storage.remove(f"{directory}/{fmt.COMMIT_PATH}")
+    storage.sync_dirs()
+    storage.remove_tree(directory)
+
+
 def remove_partial_steps(
     root: str,
     storage_options: dict | None = None,
@@ -335,28 +357,47 @@ def remove_partial_steps(
     call it while a save of an affected step may be in flight. Returns the steps removed.
     """
     storage = open_storage(root, storage_options)
-    removed = []
-    for name in storage.list_dir(""):
-        step = fmt.parse_step_dir(name)
-        if step is None or (only_step is not None and step != only_step):
-            continue
-        if below_step is not None and step >= below_step:
-            continue
-        if not storage.exists(f"{name}/{fmt.COMMIT_PATH}"):
-            storage.remove_tree(name)
-            removed.append(step)
+    if only_step is not None:
+        directory = fmt.step_dir(only_step)
+        candidates = [only_step] if directory in storage.list_dir("") else []
+        partial = [s for s in candidates if not storage.exists(f"{directory}/{fmt.COMMIT_PATH}")]
+    else:
+        partial = _scan(storage)[1]
+    removed = [s for s in partial if below_step is None or s < below_step]
+    for step in removed:
+        storage.remove_tree(fmt.step_dir(step))
     storage.sync_dirs()
     return removed
 
 
-def delete_step(root: str, step: int, storage_options: dict | None = None) -> None:
-    """Delete one step, committed or not. The commit record goes first, so a crash while
-    deleting leaves a partial step, never a committed step with missing chunks."""
+def prune_steps(
+    root: str,
+    *,
+    keep_last: int | None,
+    partial_below: int | None,
+    storage_options: dict | None = None,
+) -> tuple[list[int], list[int]]:
+    """Retention in one scan: delete partial steps below ``partial_below`` (crashed saves)
+    and all but the newest ``keep_last`` committed steps (the newest is always kept).
+    Returns ``(committed steps deleted, partial steps deleted)``."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
     storage = open_storage(root, storage_options)
-    directory = fmt.step_dir(step)
-    if directory not in storage.list_dir(""):
-        raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
-    storage.remove(f"{directory}/{fmt.COMMIT_PATH}")
+    committed, partial = _scan(storage)
+    stale = [s for s in partial if partial_below is not None and s < partial_below]
+    for step in stale:
+        storage.remove_tree(fmt.step_dir(step))
+    old = committed[:-keep_last] if keep_last else []
+    for step in old:
+        _delete_dir(storage, step)
     storage.sync_dirs()
-    storage.remove_tree(directory)
+    return old, stale
+
+
+def delete_step(root: str, step: int, storage_options: dict | None = None) -> None:
+    """Delete one step, committed or not (the commit record first)."""
+    storage = open_storage(root, storage_options)
+    if fmt.step_dir(step) not in storage.list_dir(""):
+        raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
+    _delete_dir(storage, step)
     storage.sync_dirs()
