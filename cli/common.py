@@ -33,24 +33,22 @@ def arg_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
-def positive_int(text: str) -> int:
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise ConfigError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise ConfigError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise ConfigError(f"must be at least {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise ConfigError(f"must be >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
