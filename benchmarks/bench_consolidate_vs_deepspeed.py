@@ -42,8 +42,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
+
+from _common import deepspeed_config, drop_caches, run_worker
 
 REPO = Path(__file__).resolve().parent.parent
 MB = 10**6
@@ -103,20 +104,6 @@ def _tokens(args: argparse.Namespace, rank: int):
     return toks[:, :-1], toks[:, 1:]
 
 
-def worker_main(args: argparse.Namespace) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    err_path = Path(f"{args.result_file}.rank{rank}.err")
-    try:
-        _worker(args, rank)
-    except BaseException:
-        err_path.write_text(traceback.format_exc())
-        raise
-    # gloo teardown at interpreter exit sometimes aborts after the work is done; skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _worker(args: argparse.Namespace, rank: int) -> None:
     import torch
     import torch.distributed as dist
@@ -154,19 +141,9 @@ def _worker(args: argparse.Namespace, rank: int) -> None:
     if args.worker == "ds":
         import deepspeed
 
-        config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": world,
-            "optimizer": {
-                "type": "AdamW",
-                "params": {"torch_adam": True, "lr": LR, "weight_decay": WEIGHT_DECAY},
-            },
-            "zero_optimization": {"stage": args.ds_stage},
-            "gradient_clipping": 0.0,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }  # no "fp16"/"bf16" section: fp32 throughout
+        config = deepspeed_config(
+            stage=args.ds_stage, micro_batch=1, world=world, lr=LR, weight_decay=WEIGHT_DECAY
+        )
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
@@ -311,17 +288,6 @@ def _tree_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def drop_caches() -> bool:
-    """Write back and drop the page cache; False when not permitted (not root)."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 GNU_TIME = "/usr/bin/time"
@@ -765,7 +731,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.worker:
-        worker_main(args)
+        run_worker(_worker, args)
         return 0
     return launcher_main(args)
 

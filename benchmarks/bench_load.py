@@ -21,16 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import drop_caches
+
 MIB = 1 << 20
-
-
-def _drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _reader(root: str, rank: int, world: int, preallocate: bool, start, done) -> None:
@@ -110,11 +103,11 @@ def main() -> int:
         save_tensors(root, 1, tensors, world_size=args.write_ranks)
         del tensors
         files = sorted(str(p) for p in Path(root).rglob("*") if p.is_file() and "/c/" in str(p))
-        cold = _drop_caches()
+        cold = drop_caches()
         cat_s = _cat_read(files, args.read_ranks)
-        _drop_caches()
+        drop_caches()
         fresh_s, nbytes = _zerostate_read(root, args.read_ranks, preallocate=False)
-        _drop_caches()
+        drop_caches()
         into_s, _ = _zerostate_read(root, args.read_ranks, preallocate=True)
         on_disk = sum(os.path.getsize(f) for f in files)
         cache = "cold (page cache dropped)" if cold else "warm (not root: cache not dropped)"

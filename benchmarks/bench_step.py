@@ -25,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+from _common import deepspeed_config, run_worker
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -155,20 +156,9 @@ def _setup_fsdp2(model, reshard_after_forward: bool) -> Trainer:
 def _setup_deepspeed(model, stage: int, micro_batch: int, world: int) -> Trainer:
     import deepspeed
 
-    config = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": micro_batch * world,
-        "optimizer": {
-            "type": "AdamW",
-            # torch_adam: plain torch.optim.AdamW, no compiled FusedAdam/CPUAdam op needed.
-            "params": {"torch_adam": True, "lr": LR, "weight_decay": WEIGHT_DECAY},
-        },
-        "zero_optimization": {"stage": stage},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }  # no "fp16"/"bf16" section: fp32 throughout
+    config = deepspeed_config(
+        stage=stage, micro_batch=micro_batch, world=world, lr=LR, weight_decay=WEIGHT_DECAY
+    )
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -212,22 +202,6 @@ def _setup(name: str, model, device, preset: dict[str, int], world: int) -> Trai
     if name in ZEROSTATE:
         return _setup_zerostate(model, int(name[2]))
     raise ValueError(f"unknown contender {name!r}")
-
-
-def worker_main(args: argparse.Namespace) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    err_path = Path(f"{args.result_file}.rank{rank}.err")
-    try:
-        _worker(args, rank)
-    except BaseException:
-        err_path.write_text(traceback.format_exc())
-        raise
-    # With gloo, interpreter teardown after destroy_process_group() sometimes aborts
-    # ("terminate called without an active exception", SIGABRT) once the results are
-    # already written; skip the teardown so a finished run is not reported as failed.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _worker(args: argparse.Namespace, rank: int) -> None:
@@ -590,7 +564,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        worker_main(args)  # does not return
+        run_worker(_worker, args)  # does not return
     if "LOCAL_RANK" in os.environ:
         print(
             "bench_step.py launches its own torchrun jobs; run it with plain `python`.",
