@@ -123,6 +123,9 @@ def s3_server(tmp_path_factory):
         "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s_grpc}",
         # Every bucket is a SeaweedFS collection that grows its own volumes: allow many.
         "-volume.max=1000", "-master.volumeSizeLimitMB=32",
+        # Side services listen on fixed default ports (Iceberg 8181, Lance 9101, IAM 8111):
+        # off, so two test sessions on one machine never collide.
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false",
     ]  # fmt: skip
     log_path = data_dir / "weed.log"
     with open(log_path, "wb") as log:
