@@ -6,7 +6,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh" 2> >(grep -v "is ignored: it is neither" >&2)
 cd "$ROOT"
 set +e
-python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+python -m pytest -p no:cacheprovider --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
