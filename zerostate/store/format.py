@@ -49,6 +49,9 @@ MANIFEST_DIR = f"{META_DIR}/manifests"
 CHECKSUM_NBYTES = 4
 MAX_STEP = 99_999_999
 MAX_RANKS = 99_999
+#: Largest JSON document (commit record, manifest) a reader parses. Parsing expands JSON
+#: several-fold in memory, so a hostile or damaged record is refused by its size first.
+MAX_DOCUMENT_NBYTES = 256 << 20
 
 _COMPONENT = re.compile(r"[A-Za-z0-9_.-]+")
 _STEP_DIR = re.compile(r"step-(\d{8})")
@@ -224,9 +227,14 @@ def array_document(
 
 def parse_document(raw: bytes, key: str, where: str) -> dict:
     """The ``attributes[key]`` dict of a zarr group document read from storage."""
+    if len(raw) > MAX_DOCUMENT_NBYTES:
+        raise CorruptCheckpointError(
+            f"{where} is {len(raw)} bytes, larger than any document zerostate writes "
+            f"(limit {MAX_DOCUMENT_NBYTES}); it is damaged or not a zerostate checkpoint"
+        )
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{where} is not valid JSON ({exc})") from exc
     attributes = doc.get("attributes") if isinstance(doc, dict) else None
     body = attributes.get(key) if isinstance(attributes, dict) else None

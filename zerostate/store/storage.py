@@ -28,6 +28,7 @@ from zerostate.errors import (
     CheckpointNotFoundError,
     ConfigError,
     StorageError,
+    UnsafeNameError,
     ZerostateError,
 )
 
@@ -52,6 +53,28 @@ _WRITE_SLICE = 64 << 20  # os.write moves at most ~2 GiB per call; slices keep c
 #: Objects larger than this are streamed (multipart) instead of joined into one buffer.
 STREAM_THRESHOLD = 128 << 20
 STREAM_BLOCK = 64 << 20
+#: Modules whose exceptions are network / service failures a retry may cure.
+_NETWORK_MODULES = ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "http")
+#: Client errors that name a setting to fix (credentials, region, a bad parameter).
+_CONFIG_ERRORS = {"ParamValidationError", "NoCredentialsError", "PartialCredentialsError",
+                  "NoRegionError", "InvalidRegionError", "UnknownServiceError",
+                  "InvalidConfigError"}  # fmt: skip
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Whether retrying may help: connection trouble, timeouts, throttling, 5xx answers.
+    Programming errors and bad arguments (ValueError, KeyError, TypeError, RuntimeError...)
+    fail at once: retrying them only delays the real message."""
+    if isinstance(exc, OSError):
+        return exc.errno not in _PERMANENT_ERRNOS and not isinstance(exc, PermissionError)
+    if isinstance(exc, TimeoutError):
+        return True
+    if any(cls.__name__ in _CONFIG_ERRORS for cls in type(exc).__mro__):
+        return False
+    module = type(exc).__module__.split(".", 1)[0]
+    return module in _NETWORK_MODULES
+
+
 _OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
 
 
@@ -124,17 +147,16 @@ class Storage(ABC):
         for attempt in range(attempts):
             try:
                 return fn()
-            except (FileNotFoundError, ZerostateError, TypeError, AttributeError, NameError):
-                raise  # missing objects are answers, and programming errors are not transient
+            except (FileNotFoundError, ZerostateError):
+                raise  # a missing object is an answer; our own errors are already clear
             except Exception as exc:
                 # Network clients raise their own classes (botocore's EndpointConnectionError
                 # is no OSError); all of them end up as one StorageError naming the URL.
-                permanent = isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS
-                if permanent or attempt == attempts - 1:
+                if not _is_transient(exc) or attempt == attempts - 1:
                     raise StorageError(
                         f"{what} {self.url_of(path)} failed"
-                        + (f" after {attempts} attempts" if attempt else "")
-                        + f": {exc}"
+                        + (f" after {attempt + 1} attempts" if attempt else "")
+                        + f": {type(exc).__name__}: {exc}"
                     ) from exc
             time.sleep(delay)
             delay = min(delay * 4, 3.0)
@@ -153,6 +175,19 @@ class LocalStorage(Storage):
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def _contained(self, path: str) -> str:
+        """``_abs(path)``, refused when links make it resolve outside the root: a hostile
+        checkpoint must not make a reader (or a writer) touch files elsewhere."""
+        target = self._abs(path)
+        real_root = os.path.realpath(self.root)
+        real = os.path.realpath(target)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            raise UnsafeNameError(
+                f"{target} resolves to {real}, outside the checkpoint root {real_root} (a "
+                "link out of the checkpoint); zerostate does not follow such links"
+            )
+        return target
 
     def check_writable(self) -> None:
         try:
@@ -179,7 +214,7 @@ class LocalStorage(Storage):
                 self._dirty_dirs.update(os.path.dirname(m) for m in missing)
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
-        target = self._abs(path)
+        target = self._contained(path)
         partial = target + ".partial"
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -215,7 +250,7 @@ class LocalStorage(Storage):
                 raise StorageError(f"fsync of directory {d} failed: {exc}") from exc
 
     def read(self, path: str) -> bytes:
-        target = self._abs(path)
+        target = self._contained(path)
         try:
             with open(target, "rb") as f:
                 return f.read()
@@ -225,7 +260,7 @@ class LocalStorage(Storage):
             raise StorageError(f"reading {target} failed: {exc}") from exc
 
     def read_into(self, path: str, parts: Sequence[memoryview]) -> int:
-        target = self._abs(path)
+        target = self._contained(path)
         try:
             with open(target, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
@@ -264,9 +299,20 @@ class LocalStorage(Storage):
 
     def remove_tree(self, path: str) -> None:
         target = self._abs(path)
-        shutil.rmtree(target, ignore_errors=True)
-        if os.path.exists(target):
-            raise StorageError(f"could not remove {target}; check permissions")
+        errors: list[str] = []
+
+        def record(function, failed_path, exc_info) -> None:
+            exc = exc_info[1]
+            if not isinstance(exc, FileNotFoundError):  # removed concurrently: fine
+                errors.append(f"{failed_path}: {exc.strerror or exc}")
+
+        if os.path.islink(target):
+            os.unlink(target)  # a link is removed, never what it points to
+        else:
+            shutil.rmtree(target, onerror=record)
+        if os.path.lexists(target):
+            shown = "; ".join(errors[:3]) or "it reappeared while being removed"
+            raise StorageError(f"could not remove {target}: {shown}")
         with self._lock:
             self._dirty_dirs.add(os.path.dirname(target))
 
