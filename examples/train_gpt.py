@@ -58,7 +58,19 @@ def init_distributed() -> None:
     if "RANK" not in os.environ:  # plain `python train_gpt.py`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29511", RANK="0", WORLD_SIZE="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # After `torchrun --max-restarts` restarts the workers they meet in the same agent
+        # store, where the dead group's addresses are still registered (gloo then dials
+        # them and times out). A per-attempt key prefix gives each attempt a clean slate.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False)
+        dist.init_process_group(
+            backend, store=dist.PrefixStore(f"attempt-{attempt}/", store),
+            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+        )  # fmt: skip
+    else:
+        dist.init_process_group(backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
