@@ -1,0 +1,149 @@
+"""What users hand the engine, made uniform: parameter names of compiled modules, forward
+inputs, and the checkpoint root a save goes to.
+
+[Note: canonical names]
+``torch.compile(module)`` returns an ``OptimizedModule`` that holds the original as
+``_orig_mod``; compiling a submodule in place (``model.h[0] = torch.compile(block)``)
+puts ``_orig_mod`` in the middle of every name below it. ``module.compile()`` compiles in
+place and changes no name. Checkpoint names must not depend on how the model was compiled,
+so the engine names every parameter and buffer by :func:`canonical_name`, which drops each
+``_orig_mod`` component. Loading then works compiled -> uncompiled and the reverse, and
+consolidation gives the names of the plain model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerostate.errors import ConfigError, ZerostateError
+
+log = logging.getLogger("zerostate")
+
+_COMPILED_WRAPPER = "_orig_mod"
+
+
+# ------------------------------------------------------------------- canonical names
+def canonical_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` components torch.compile wrappers add."""
+    if _COMPILED_WRAPPER not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILED_WRAPPER)
+
+
+def canonical_named(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``(canonical_name(n), x)`` for each pair; refuses two entries that collide."""
+    out: list[tuple[str, Any]] = []
+    seen: dict[str, str] = {}
+    for name, value in pairs:
+        canonical = canonical_name(name)
+        if canonical in seen and seen[canonical] != name:
+            raise ConfigError(
+                f"{name!r} and {seen[canonical]!r} both name {canonical!r} once the "
+                "torch.compile wrapper (_orig_mod) is removed; rename the attribute"
+            )
+        seen[canonical] = name
+        out.append((canonical, value))
+    return out
+
+
+def compiled_root(model: nn.Module) -> bool:
+    """Whether ``model`` itself is a ``torch.compile`` wrapper (``OptimizedModule``)."""
+    return (
+        isinstance(getattr(model, _COMPILED_WRAPPER, None), nn.Module)
+        and type(model).__name__ == "OptimizedModule"
+    )
+
+
+# ------------------------------------------------------------------- forward inputs
+def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """Floating-point tensors in ``args``/``kwargs`` (also inside lists, tuples and
+    dicts) cast to ``dtype``; everything else (integer token ids, masks, non-tensors)
+    passed through untouched. Mirrors FSDP2's ``cast_forward_inputs``."""
+    if dtype == torch.float32 and not _has_low_precision(args, kwargs):
+        return args, kwargs  # nothing to cast: skip the rebuild on the fp32 hot path
+    return _cast(args, dtype), _cast(kwargs, dtype)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_cast(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _cast(v, dtype)) for k, v in value.items())
+    return value
+
+
+def _has_low_precision(args: tuple, kwargs: dict) -> bool:
+    return any(t.is_floating_point() and t.dtype != torch.float32 for t in _tensors((args, kwargs)))
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+# ------------------------------------------------------------------- save target
+def check_save_target(
+    path: str, storage_options: dict | None, model_shapes: dict[str, tuple[int, ...]]
+) -> str | None:
+    """Why ``engine.save(path)`` must not write there, or None when it may.
+
+    [Note: save target]
+    A root is refused when it lies inside a step directory of a checkpoint (``.../step-
+    00000100/``), or when its latest committed step holds a different model (other
+    ``model/`` tensor names or shapes): that is another run's root reused by accident,
+    where this run's steps would interleave with the other's, a later ``load`` could pick
+    the other run's step, and ``keep_last`` would delete the other run's steps. Names and
+    shapes are logical, so a root written at another world size (or compiled, see
+    [Note: canonical names]) is the same model. Checked once per root per engine.
+    """
+    from zerostate.store import format as fmt
+    from zerostate.store.reader import open_checkpoint
+    from zerostate.store.storage import canonical_location
+
+    location = canonical_location(path)
+    inside = [p for p in location.split("://", 1)[1].split("/") if fmt.parse_step_dir(p)]
+    if inside:
+        return (
+            f"save path {path!r} lies inside the step directory {inside[-1]!r} of a "
+            "checkpoint; pass the checkpoint root (the directory holding step-* "
+            "directories) or a new directory"
+        )
+    try:
+        ckpt = open_checkpoint(path, storage_options=storage_options)
+        committed = ckpt.steps()
+        if not committed:
+            return None
+        tensors = ckpt.step(committed[-1]).tensors
+        theirs = {n: tuple(i.shape) for n, i in tensors.items() if n.startswith("model/")}
+    except ZerostateError as exc:
+        return f"cannot check the save path {path!r}: {exc}"
+    if theirs == model_shapes:
+        return None
+    only = set(theirs) ^ set(model_shapes)
+    differ = sorted(only) or sorted(n for n in theirs if theirs[n] != model_shapes[n])
+    name = differ[0]
+    if name in only:
+        why = "only in this model" if name in model_shapes else "only in the checkpoint"
+    else:
+        why = f"shape {theirs[name]} there, {model_shapes[name]} here"
+    return (
+        f"{path!r} already holds checkpoints of a different model (latest step "
+        f"{committed[-1]}: {name!r} {why}; {len(differ)} tensor(s) differ). Saving there "
+        "would mix two runs, and keep_last would delete the other run's steps: save to a "
+        "new directory, or delete the old steps first"
+    )
