@@ -60,14 +60,16 @@ def reshard(
     """Write step ``step`` (default: latest committed) of ``src`` to ``dst`` for
     ``world_size`` ranks. ``src`` is a checkpoint root (path or URL) or an opened
     checkpoint; ``dst`` is a checkpoint root that may already hold other steps.
-    ``dst_storage_options`` defaults to ``storage_options``.
+    ``dst_storage_options`` defaults to ``storage_options`` when ``dst`` is a URL (pass
+    ``{}`` for none), so S3 <-> local works with one set of options.
 
     Refuses a step already committed in ``dst`` unless ``force`` (which deletes it first).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-    if dst_storage_options is None:
-        dst_storage_options = storage_options
+    dst_is_url = "://" in os.fspath(dst) and not os.fspath(dst).startswith("file://")
+    if dst_storage_options is None and dst_is_url:
+        dst_storage_options = storage_options  # a local destination takes no options
     opened = not isinstance(src, (str, os.PathLike))
     src_url = src.url if opened else os.fspath(src)
     dst = os.fspath(dst)
