@@ -51,11 +51,52 @@ def canonical_named(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return out
 
 
-def compiled_root(model: nn.Module) -> bool:
-    """Whether ``model`` itself is a ``torch.compile`` wrapper (``OptimizedModule``)."""
-    return (
-        isinstance(getattr(model, _COMPILED_WRAPPER, None), nn.Module)
-        and type(model).__name__ == "OptimizedModule"
+def named_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[str, str]]:
+    """The engine's view of ``model``'s parameters: ``(canonical name, parameter)`` once
+    per parameter, and ``tied`` (``{alias: canonical name of the first owner}``)."""
+    named = canonical_named(model.named_parameters())
+    first = {id(p): n for n, p in named}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(name)
+        if first[id(p)] != name:
+            tied[name] = first[id(p)]
+    return named, tied
+
+
+def check_compile(model: nn.Module, stage: int) -> None:
+    """Refuse the torch.compile uses stage 3 cannot run, before anything is built.
+
+    [Note: stage 3 and torch.compile]
+    Stage 3 gathers a unit's parameters in forward hooks and frees them (storage resized
+    to zero) after it. A whole-model ``torch.compile(model)`` or any ``module.compile()``
+    puts those hooks inside the compiled region: Dynamo traces the storage resizes, and
+    once parameter sizes vary they become symbolic, which Inductor cannot lower
+    (``LoweringException: ... resize_storage_bytes_``). ``torch.compile(block)`` assigned
+    in place of a block keeps the hooks on the wrapper, outside the compiled code, and
+    works, as it does with FSDP2. Stages 0-2 run hooks only on gradients and take any of
+    the three forms.
+    """
+    if stage != 3:
+        return
+    fix = (
+        "stage 3 gathers and frees parameters in module hooks, which a compiled region "
+        "cannot contain. Compile each block instead and assign it in place, before "
+        "wrapping: `for i, block in enumerate(model.h): model.h[i] = torch.compile(block)` "
+        "(the blocks are the children of an nn.ModuleList, stage 3's units), or use "
+        "stage=2 to compile the whole model"
+    )
+    if _is_compiled_wrapper(model):
+        raise ConfigError(f"torch.compile(model) cannot be trained at stage 3: {fix}")
+    for name, module in model.named_modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            where = f"{name}.compile()" if name else "model.compile()"
+            raise ConfigError(f"{where} cannot be trained at stage 3: {fix}")
+
+
+def _is_compiled_wrapper(module: nn.Module) -> bool:
+    return isinstance(getattr(module, _COMPILED_WRAPPER, None), nn.Module) and hasattr(
+        module, "_torchdynamo_orig_callable"
     )
 
 

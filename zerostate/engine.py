@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerostate import collectives
+from zerostate import adapt, collectives
 from zerostate.buckets import GradReducer, all_gather_shards
 from zerostate.collectives import CommStats
 from zerostate.config import EngineConfig
@@ -71,6 +71,7 @@ def _validate_model(model: Any, config: EngineConfig) -> None:
                 f"parameter {name} has dtype {p.dtype}; only floating-point parameters can "
                 "be trained. Register it as a buffer (module.register_buffer) instead"
             )
+    adapt.check_compile(model, config.stage)
     if any(p.is_meta for _, p in params) and config.stage != 3:
         raise ConfigError(
             f"the model is on the meta device, which only stage 3 can materialise shard by "
@@ -139,13 +140,8 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._bucket_numel = max(1, int(config.bucket_mb * 2**20) // self.dtype.itemsize)
 
-        named = list(model.named_parameters())
-        first = {id(p): n for n, p in named}
-        self.tied = {
-            n: first[id(p)]
-            for n, p in model.named_parameters(remove_duplicate=False)
-            if first[id(p)] != n
-        }
+        # Names without torch.compile's "_orig_mod." (see [Note: canonical names]).
+        named, self.tied = adapt.named_parameters(model)
         layouts = plan_layouts(
             [p.numel() for _, p in named], self.world_size, config.min_shard_numel
         )
@@ -374,7 +370,7 @@ class Engine:
     # -- state access ----------------------------------------------------------------------
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         buffers = dict(self.module.named_buffers())
-        return [(n, buffers[n]) for n in self._buffer_names]
+        return [(adapt.canonical_name(n), buffers[n]) for n in self._buffer_names]
 
     def state_views(self) -> list[ShardView]:
         """Every logical tensor's live local state; see the checkpoint contract."""
