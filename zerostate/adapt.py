@@ -52,16 +52,28 @@ def canonical_named(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 
 def named_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[str, str]]:
-    """The engine's view of ``model``'s parameters: ``(canonical name, parameter)`` once
-    per parameter, and ``tied`` (``{alias: canonical name of the first owner}``)."""
-    named = canonical_named(model.named_parameters())
+    """The engine's partitioned parameters: ``(canonical name, parameter)`` once per
+    floating-point parameter, and ``tied`` (``{alias: canonical name of the first owner}``).
+    Frozen non-floating-point parameters are replicated state instead, see
+    :func:`replicated_state`."""
+    named = canonical_named((n, p) for n, p in model.named_parameters() if p.is_floating_point())
     first = {id(p): n for n, p in named}
     tied = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         name = canonical_name(name)
-        if first[id(p)] != name:
+        if id(p) in first and first[id(p)] != name:
             tied[name] = first[id(p)]
     return named, tied
+
+
+def replicated_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the state every rank keeps whole: buffers, then frozen
+    non-floating-point parameters (an integer ``nn.Parameter(..., requires_grad=False)``:
+    nothing to optimise, so it is neither partitioned nor given optimizer state; it is
+    checkpointed like a buffer, as ``buffers/<name>`` in its own dtype). Names as the
+    module has them (``_orig_mod.`` included)."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.is_floating_point()]
+    return list(model.named_buffers()) + frozen
 
 
 def check_compile(model: nn.Module, stage: int) -> None:
@@ -101,12 +113,13 @@ def _is_compiled_wrapper(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------- forward inputs
-def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
     """Floating-point tensors in ``args``/``kwargs`` (also inside lists, tuples and
     dicts) cast to ``dtype``; everything else (integer token ids, masks, non-tensors)
-    passed through untouched. Mirrors FSDP2's ``cast_forward_inputs``."""
-    if dtype == torch.float32 and not _has_low_precision(args, kwargs):
-        return args, kwargs  # nothing to cast: skip the rebuild on the fp32 hot path
+    passed through untouched; ``dtype=None`` casts nothing. Mirrors FSDP2's
+    ``cast_forward_inputs``."""
+    if dtype is None or not _needs_cast((args, kwargs), dtype):
+        return args, kwargs  # the common case: no rebuild of the argument structure
     return _cast(args, dtype), _cast(kwargs, dtype)
 
 
@@ -122,8 +135,8 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _has_low_precision(args: tuple, kwargs: dict) -> bool:
-    return any(t.is_floating_point() and t.dtype != torch.float32 for t in _tensors((args, kwargs)))
+def _needs_cast(value: Any, dtype: torch.dtype) -> bool:
+    return any(t.is_floating_point() and t.dtype != dtype for t in _tensors(value))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -135,6 +148,43 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for v in value.values():
             yield from _tensors(v)
+
+
+# ------------------------------------------------------------------- partial loads
+def report_skipped(path: str, step: int, wanted: list[str], stored: Iterable[str]) -> list[str]:
+    """For ``load(strict=False)``: log what is skipped either way (model state the step
+    lacks, stored model tensors the model lacks) and return the skipped names. Raises
+    when none of the model's parameters is in the step: that is the wrong checkpoint (or
+    names that changed), never a partial load."""
+    from zerostate.errors import CheckpointError
+
+    stored = set(stored)
+    missing = [n for n in wanted if n not in stored]
+    extra = sorted(n for n in stored if n.startswith("model/") and n not in set(wanted))
+    params = [n for n in wanted if n.startswith("model/")]
+    if params and all(n in missing for n in params):
+        shown = ", ".join(extra[:3]) or "no model tensors"
+        raise CheckpointError(
+            f"step {step} in {path} holds none of this model's {len(params)} parameters "
+            f"(it has {shown}); strict=False skips some state, it does not load another "
+            "model: check the path and the model"
+        )
+    if missing:
+        log.warning(
+            "zerostate: load(strict=False) from %s step %d left %d tensor(s) as they were: %s",
+            path, step, len(missing), _shown(missing),
+        )  # fmt: skip
+    if extra:
+        log.warning(
+            "zerostate: load(strict=False) from %s step %d ignored %d stored tensor(s) the "
+            "model lacks: %s",
+            path, step, len(extra), _shown(extra),
+        )  # fmt: skip
+    return missing
+
+
+def _shown(names: list[str], limit: int = 10) -> str:
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
 
 
 # ------------------------------------------------------------------- save target

@@ -372,6 +372,10 @@ class Checkpointer:
         st = ckpt.step(step)
         views = self.engine.state_views()
         missing = [v.name for v in views if v.name not in st.tensors]
+        if not strict:
+            from zerostate.adapt import report_skipped
+
+            report_skipped(path, st.step, [v.name for v in views], st.tensors)
         if missing and strict:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise CheckpointError(
