@@ -267,6 +267,8 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._s3 is not None:
             self._s3.pre_forward_root()
+        cast = self.dtype if self.config.cast_forward_inputs else None
+        args, kwargs = adapt.cast_inputs(args, kwargs, cast)
         out = self.module(*args, **kwargs)
         if self._s3 is not None:
             self._s3.post_forward_root()
