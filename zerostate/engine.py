@@ -66,10 +66,12 @@ def _validate_model(model: Any, config: EngineConfig) -> None:
             "model to one device (each rank trains a full replica's worth of shards)"
         )
     for name, p in params:
-        if not p.is_floating_point():
+        # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
+        if not p.is_floating_point() and (p.requires_grad or p.is_meta):
             raise ConfigError(
                 f"parameter {name} has dtype {p.dtype}; only floating-point parameters can "
-                "be trained. Register it as a buffer (module.register_buffer) instead"
+                "be trained, and a frozen one must live on a real device. Register it as a "
+                "buffer (module.register_buffer) or set requires_grad=False"
             )
     adapt.check_compile(model, config.stage)
     if any(p.is_meta for _, p in params) and config.stage != 3:
@@ -154,7 +156,7 @@ class Engine:
         self._init_buffers()
         if config.sync_module_states and not any(p.is_meta for _, p in named):
             with torch.no_grad():
-                states = [p.data for _, p in named] + [b for _, b in model.named_buffers()]
+                states = [p.data for _, p in named] + [b for _, b in adapt.replicated_state(model)]
                 collectives.broadcast_from_first([t for t in states if t.numel()], group=group)
 
         self._s3: Stage3Runtime | None = None
@@ -215,8 +217,9 @@ class Engine:
             for n, b in module._buffers.items():
                 if b is not None and not b.is_meta and not b.is_contiguous():
                     module._buffers[n] = b.contiguous()
-        self._buffer_names = [n for n, _ in self.module.named_buffers()]
-        numels = [b.numel() for _, b in self.module.named_buffers()]
+        state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
+        self._buffer_names = [n for n, _ in state]
+        numels = [b.numel() for _, b in state]
         self._buffer_layouts = plan_layouts(numels, self.world_size, self.config.min_shard_numel)
 
     def _init_replicated_params(self) -> None:
@@ -371,7 +374,7 @@ class Engine:
 
     # -- state access ----------------------------------------------------------------------
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        buffers = dict(self.module.named_buffers())
+        buffers = dict(adapt.replicated_state(self.module))
         return [(adapt.canonical_name(n), buffers[n]) for n in self._buffer_names]
 
     def state_views(self) -> list[ShardView]:
