@@ -9,12 +9,34 @@ from zerostate_cli.common import (
     add_output_args,
     arg_type,
     human_bytes,
-    parse_storage_options,
     print_json,
     progress_bar,
+    storage_options,
 )
 
-from zerostate.store.consolidate import consolidate, parse_dtype, parse_size
+#: Smallest --max-shard-size written without a unit. ``--max-shard-size 10`` is ten bytes,
+#: one file per tensor, and never what was meant; with a unit (``10KB``) any size is taken
+#: as written.
+MIN_BARE_SHARD_SIZE = 1 << 20
+
+
+def parse_dtype(text: str):
+    from zerostate.store.consolidate import parse_dtype
+
+    return parse_dtype(text)
+
+
+def parse_shard_size(text: str) -> int:
+    from zerostate.errors import ConfigError
+    from zerostate.store.consolidate import parse_size
+
+    size = parse_size(text)
+    if size < MIN_BARE_SHARD_SIZE and not text.strip()[-1:].isalpha():
+        raise ConfigError(
+            f"{text!r} has no unit, so it counts bytes (one shard per tensor); write the "
+            "unit, e.g. --max-shard-size 10GB (a bare number must be at least 1048576)"
+        )
+    return size
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -43,10 +65,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-shard-size",
-        type=arg_type(parse_size),
+        type=arg_type(parse_shard_size),
         default=None,
         metavar="SIZE",
-        help="split into Hugging Face style shards of at most SIZE (5GB, 500MB, 2GiB, bytes)",
+        help="split into Hugging Face style shards of at most SIZE: 5GB, 500MB, 2GiB; a "
+        "number without a unit counts bytes and must be at least 1048576 (1MiB)",
     )
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
     add_output_args(parser)
@@ -54,6 +77,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zerostate.store.consolidate import consolidate
+
+    options = storage_options(args, args.ckpt)
     with progress_bar(args, "consolidate") as progress:
         result = consolidate(
             args.ckpt,
@@ -63,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             progress=progress,
             force=args.force,
-            storage_options=parse_storage_options(args.storage_option),
+            storage_options=options,
         )
     if args.json:
         print_json(

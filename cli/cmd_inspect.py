@@ -9,12 +9,9 @@ from zerostate_cli.common import (
     add_checkpoint_args,
     human_bytes,
     open_step,
-    parse_storage_options,
     print_json,
+    storage_options,
 )
-
-from zerostate.store import format as fmt
-from zerostate.store.storage import open_storage
 
 GROUPS = ("model", "optim", "buffers")
 
@@ -80,6 +77,9 @@ def describe(ckpt: Any, st: Any, root: str, storage_options: dict | None) -> dic
 
 def partial_steps(root: str, storage_options: dict | None, committed: list[int]) -> list[int]:
     """Step directories without a commit record: crashed or in-flight saves."""
+    from zerostate.store import format as fmt
+    from zerostate.store.storage import open_storage
+
     storage = open_storage(root, storage_options)
     found = (fmt.parse_step_dir(name) for name in storage.list_dir(""))
     return sorted(s for s in found if s is not None and s not in set(committed))
@@ -87,7 +87,7 @@ def partial_steps(root: str, storage_options: dict | None, committed: list[int])
 
 def run(args: argparse.Namespace) -> int:
     ckpt, st = open_step(args)
-    data = describe(ckpt, st, args.ckpt, parse_storage_options(args.storage_option))
+    data = describe(ckpt, st, args.ckpt, storage_options(args, args.ckpt))
     if args.json:
         print_json(data)
         return 0

@@ -9,14 +9,13 @@ from zerostate_cli.common import (
     add_output_args,
     arg_type,
     human_bytes,
-    parse_storage_options,
     positive_int,
     print_json,
     progress_bar,
+    storage_options,
 )
 
 from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
-from zerostate.store.reshard import reshard
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,14 +41,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"smallest piece a tensor is cut into (default {DEFAULT_MIN_SHARD_NUMEL})",
     )
     parser.add_argument(
-        "--force", action="store_true", help="replace the step if OUT already holds it"
+        "--force",
+        action="store_true",
+        help="replace the step if OUT already holds it (never allowed when OUT is CKPT, "
+        "or inside it or around it, under any spelling)",
     )
+    for side, what in (("src", "CKPT"), ("dst", "OUT")):
+        parser.add_argument(
+            f"--{side}-storage-option",
+            action="append",
+            metavar="KEY=VALUE",
+            dest=f"{side}_storage_option",
+            help=f"fsspec/s3fs option for {what} only, repeatable; on top of "
+            "--storage-option, which applies to both ends (URL ends only)",
+        )
     add_output_args(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    options = parse_storage_options(args.storage_option)
+    from zerostate.store.reshard import reshard
+
+    src_options = storage_options(args, args.ckpt, "src")
+    dst_options = storage_options(args, args.out, "dst")
     with progress_bar(args, "reshard") as progress:
         result = reshard(
             args.ckpt,
@@ -57,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
             args.world_size,
             step=args.step,
             min_shard_numel=args.min_shard_numel,
-            storage_options=options,
+            storage_options=src_options,
+            dst_storage_options=dst_options or {},  # {}: not the source's options
             force=args.force,
             progress=progress,
         )

@@ -51,37 +51,133 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
-def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
+def parse_storage_options(
+    pairs: list[str] | None, flag: str = "--storage-option"
+) -> dict[str, Any] | None:
     """``KEY=VALUE`` pairs to fsspec/s3fs keyword arguments.
 
     Values that read as JSON (``true``, ``3``, ``{"a": 1}``) are decoded, anything else
     stays a string. A dotted key nests: ``client_kwargs.region_name=eu-west-1`` gives
-    ``{"client_kwargs": {"region_name": "eu-west-1"}}``.
+    ``{"client_kwargs": {"region_name": "eu-west-1"}}``. A malformed pair is a usage error
+    (exit 2) naming ``flag``; :func:`check_storage_options` checks the keys once the URL
+    (and so the filesystem) is known.
     """
     if not pairs:
         return None
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
             raise CliError(
-                f"--storage-option {pair!r} is not KEY=VALUE; e.g. "
-                "--storage-option endpoint_url=http://localhost:8333",
+                f"{flag} {pair!r} is not KEY=VALUE; e.g. {flag} endpoint_url=http://localhost:8333",
                 exit_code=2,
             )
         try:
             value: Any = json.loads(raw)
         except ValueError:
+            if raw.lstrip()[:1] in ("{", "["):
+                example = f'{key}=\'{{"ACL": "private"}}\''
+                raise CliError(
+                    f"{flag} {key}: the value {raw!r} starts like JSON but is not valid "
+                    f"JSON; quote it for the shell, e.g. {flag} {example}",
+                    exit_code=2,
+                ) from None
             value = raw
-        *parents, leaf = key.strip().split(".")
+        *parents, leaf = key.split(".")
         target = options
         for part in parents:
             child = target.setdefault(part, {})
             if not isinstance(child, dict):
-                raise CliError(f"--storage-option {key!r} conflicts with an earlier option", 2)
+                raise CliError(f"{flag} {key!r} conflicts with an earlier {flag}", 2)
             target = child
+        if isinstance(target.get(leaf), dict) and not isinstance(value, dict):
+            raise CliError(f"{flag} {key!r} conflicts with an earlier {flag}", 2)
         target[leaf] = value
     return options
+
+
+#: Accepted by every fsspec filesystem (instance and listings caches), not in signatures.
+_FSSPEC_COMMON = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+
+
+def check_storage_options(url: str, options: dict[str, Any] | None, flag: str) -> None:
+    """Refuse (exit 2) options the filesystem of ``url`` would reject only once it
+    connects: an unknown key (``endpoint-url``), a non-dict ``*_kwargs``, a non-boolean
+    switch (``anon=yes``), options for a local path."""
+    if not options:
+        return
+    protocol, sep, _ = url.partition("://")
+    if not sep or protocol.lower() in ("file", "local"):
+        raise CliError(
+            f"{flag} applies to URLs (s3://...) only, and {url!r} is a local path: drop it",
+            exit_code=2,
+        )
+    import difflib
+    import inspect
+
+    import fsspec
+
+    protocol = protocol.split("::")[-1].lower()
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        raise CliError(f"cannot use {url!r}: {exc}", exit_code=2) from None
+    params: dict[str, inspect.Parameter] = {}
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
+        try:
+            signature = inspect.signature(init) if init is not None else None
+        except (TypeError, ValueError):
+            signature = None
+        for p in signature.parameters.values() if signature else ():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
+                params[p.name] = p
+    known = set(params) | _FSSPEC_COMMON
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(known))}"
+            raise CliError(f"{flag} {key}: {protocol}:// takes no option {key!r}; {hint}", 2)
+        default = params[key].default if key in params else None
+        if key.endswith("_kwargs") and not isinstance(value, dict):
+            raise CliError(
+                f"{flag} {key}={json.dumps(value)} must be a JSON object, e.g. "
+                f'{key}=\'{{"region_name": "us-east-1"}}\' or {key}.region_name=us-east-1',
+                exit_code=2,
+            )
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise CliError(f"{flag} {key}={value!r} must be true or false", exit_code=2)
+        if type(default) is int and (type(value) is not int):
+            raise CliError(f"{flag} {key}={value!r} must be a whole number", exit_code=2)
+
+
+def storage_options(
+    args: argparse.Namespace, url: str, side: str | None = None
+) -> dict[str, Any] | None:
+    """The checked options for ``url``: ``--storage-option``, then (for ``side`` ``src``
+    or ``dst``) ``--src-storage-option`` / ``--dst-storage-option`` on top, key by key.
+    The shared ones apply to URL ends only, so ``reshard s3://... ./local`` works."""
+    shared = parse_storage_options(getattr(args, "storage_option", None))
+    own_flag = f"--{side}-storage-option" if side else "--storage-option"
+    own = parse_storage_options(getattr(args, f"{side}_storage_option", None), own_flag)
+    is_url = "://" in url and not url.lower().startswith(("file://", "local://"))
+    if side and not is_url:
+        check_storage_options(url, own, own_flag)  # refuses side options for a local path
+        return None
+    merged = _merge(shared or {}, own or {}) or None
+    check_storage_options(url, merged, own_flag if own else "--storage-option")
+    return merged
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser, *, step: bool = True) -> None:
@@ -155,5 +251,5 @@ def open_step(args: argparse.Namespace) -> tuple[Any, Any]:
     """Open ``args.ckpt`` and its ``args.step`` (latest committed when None)."""
     from zerostate.store.reader import open_checkpoint
 
-    ckpt = open_checkpoint(args.ckpt, storage_options=parse_storage_options(args.storage_option))
+    ckpt = open_checkpoint(args.ckpt, storage_options=storage_options(args, args.ckpt))
     return ckpt, ckpt.step(getattr(args, "step", None))

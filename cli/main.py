@@ -1,9 +1,13 @@
 """The ``zerostate`` command: consolidate, inspect, verify, reshard, estimate.
 
-Every expected failure (a missing step, an existing output, a damaged chunk, a bad
-option) ends as one line on stderr, ``zerostate: error: ...``, and a non-zero exit:
-2 for usage errors, 1 for everything else. Set ``ZEROSTATE_DEBUG=1`` to get the
-traceback instead.
+Every failure ends as one line on stderr, ``zerostate: error: ...``, and one rule sets
+the exit status: 2 when the command line itself is wrong (an unknown flag, a malformed
+value, a malformed or unknown ``--storage-option``), 1 when a well-formed command fails
+(a missing checkpoint or step, an existing output, a damaged chunk, an unreachable
+server, a refused destination). Set ``ZEROSTATE_DEBUG=1`` to get the traceback instead.
+
+Subcommand modules import the heavy parts (torch, fsspec) inside ``run``, so ``--help``
+and usage errors stay fast.
 """
 
 from __future__ import annotations
@@ -67,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(_describe(exc), 1)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except Exception as exc:  # noqa: BLE001 - still one line; the traceback is one env var away
+        if os.environ.get("ZEROSTATE_DEBUG"):
+            raise
+        return _fail(
+            f"{type(exc).__name__}: {exc} (unexpected; ZEROSTATE_DEBUG=1 shows the traceback)",
+            1,
+        )
 
 
 def _describe(exc: BaseException) -> str:

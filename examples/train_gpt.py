@@ -4,6 +4,14 @@
     torchrun --nproc_per_node=1 examples/train_gpt.py --steps 60 --ckpt runs/demo --resume
     zerostate consolidate runs/demo runs/demo.safetensors
 
+S3 or another object store: pass the URL and the options the CLI takes, or set the
+standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_DEFAULT_REGION), which s3fs reads itself:
+
+    torchrun --nproc_per_node=2 examples/train_gpt.py --ckpt s3://bucket/run \
+        --storage-option client_kwargs.endpoint_url=http://127.0.0.1:8333 \
+        --storage-option key=KEY --storage-option secret=SECRET
+
 Data: the bytes of ``fixtures/text/corpus.txt`` (vocabulary of 256). The global batch for
 step ``s`` is drawn from a generator seeded with ``(seed, s)`` and split evenly across the
 ranks, so a run resumed on a different number of ranks sees exactly the batches the
@@ -49,7 +57,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", type=Path, help="append one JSON line per step here (rank 0)")
-    return p.parse_args(argv)
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                   help="fsspec/s3fs option for an s3:// --ckpt, repeatable, as in the zerostate "
+                   "CLI (endpoint_url=..., client_kwargs.region_name=..., anon=true)")
+    args = p.parse_args(argv)
+    # The CLI's parser and checks: a typo (endpoint-url) is a usage error here, not a
+    # traceback from every rank at the first save.
+    from zerostate_cli.common import CliError, check_storage_options, parse_storage_options
+
+    try:
+        args.storage_options = parse_storage_options(args.storage_option)
+        check_storage_options(args.ckpt, args.storage_options, "--storage-option")
+    except CliError as exc:
+        p.error(str(exc))
+    return args
 
 
 def init_distributed() -> None:
@@ -97,6 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
+    if "://" in args.ckpt and (args.save_every or args.resume):
+        # Reach the bucket now, not after the first --save-every steps of training.
+        from zerostate.store.storage import open_storage
+
+        try:
+            open_storage(args.ckpt, args.storage_options).check_readable()
+        except zerostate.ZerostateError as exc:
+            raise SystemExit(f"zerostate: cannot use --ckpt {args.ckpt}: {exc}") from None
+
     raw = args.data.read_bytes()
     if len(raw) < args.seq_len + 2:
         raise SystemExit(f"{args.data} is too short for --seq-len {args.seq_len}")
@@ -112,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
     if args.resume:
         try:
-            state = engine.load(args.ckpt) or {}
+            state = engine.load(args.ckpt, storage_options=args.storage_options) or {}
         except zerostate.CheckpointNotFoundError:
             state = {}
             if rank == 0:
@@ -157,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(record) + "\n")
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
             handle = engine.save(args.ckpt, step=step, blocking=not args.async_save,
-                                 client_state={"next_step": step}, keep_last=args.keep_last)
+                                 client_state={"next_step": step}, keep_last=args.keep_last,
+                                 storage_options=args.storage_options)
             if rank == 0 and not args.async_save:
                 print(f"saved step {step} to {args.ckpt} ({handle.blocked_s:.2f} s)", flush=True)
     if handle is not None:

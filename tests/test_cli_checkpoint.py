@@ -187,6 +187,9 @@ def test_missing_step_and_missing_checkpoint(ckpt, tmp_path: Path, capsys) -> No
     code, _, err = run_cli(["inspect", str(root), "--step", "6"], capsys)
     assert_one_line_error(code, err, "step 6 is not committed")
     code, _, err = run_cli(["verify", str(tmp_path / "nothing")], capsys)
+    assert_one_line_error(code, err, "does not exist")
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_cli(["verify", str(tmp_path / "empty")], capsys)
     assert_one_line_error(code, err, "no committed step")
 
 

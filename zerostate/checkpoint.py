@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerostate.errors import CheckpointError, ConfigError
+from zerostate.errors import CheckpointError, ConfigError, ZerostateError
 from zerostate.partition import TensorLayout
 from zerostate.store import (
     StepExistsError,
@@ -108,6 +108,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._snapshot_ready = threading.Event()
         self._snapshot_ready.set()
+        self._checked_roots: set[str] = set()  # see [Note: save target] in adapt.py
         #: Seconds the training thread waited in before_update() for async snapshots.
         self.stall_s = 0.0
         atexit.register(self._wait_at_exit)
@@ -250,8 +251,10 @@ class Checkpointer:
         self.wait()  # one save in flight; surfaces a previous background failure
         # Rank 0 checks the target and picks a save id; one all-reduce tells every rank both
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
-        already = 0
-        if self.rank == 0:
+        already, refusal = 0, self._check_root(path, storage_options)
+        if refusal is not None:
+            already = 2
+        elif self.rank == 0:
             if open_checkpoint(path, storage_options=storage_options).is_committed(step):
                 already = 1
             else:
@@ -264,6 +267,8 @@ class Checkpointer:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(token, group=self.engine.group)
         already, save_id = (int(v) for v in token.tolist())
+        if already == 2:
+            raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
         if already:
             raise StepExistsError(
                 f"step {step} is already committed in {path}; save under another step number "
@@ -306,6 +311,26 @@ class Checkpointer:
             self._inflight = handle
         return handle
 
+    def _check_root(self, path: str, storage_options: dict | None) -> str | None:
+        """Rank 0's verdict on a root this engine has not saved to yet."""
+        if self.rank != 0:
+            return None
+        from zerostate.adapt import check_save_target
+        from zerostate.store.storage import canonical_location
+
+        try:  # an exception here would leave the other ranks waiting in the all-reduce
+            location = canonical_location(path)
+            if location in self._checked_roots:
+                return None
+            views = self.engine.state_views()
+            shapes = {v.name: tuple(v.shape) for v in views if v.name.startswith("model/")}
+            refusal = check_save_target(path, storage_options, shapes)
+        except ZerostateError as exc:
+            return str(exc)
+        if refusal is None:
+            self._checked_roots.add(location)
+        return refusal
+
     @staticmethod
     def _retain(
         path: str, step: int, keep_last: int | None, storage_options: dict | None
@@ -347,6 +372,10 @@ class Checkpointer:
         st = ckpt.step(step)
         views = self.engine.state_views()
         missing = [v.name for v in views if v.name not in st.tensors]
+        if not strict:
+            from zerostate.adapt import report_skipped
+
+            report_skipped(path, st.step, [v.name for v in views], st.tensors)
         if missing and strict:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise CheckpointError(

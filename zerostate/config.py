@@ -91,6 +91,12 @@ class EngineConfig:
     """Broadcast rank 0's initial parameters and buffers to every rank at construction (as
     DDP does), so ranks that initialised differently still train one model. Ignored for a
     model on the ``meta`` device, whose stage-3 initialisation is already deterministic."""
+    cast_forward_inputs: bool = True
+    """Cast floating-point tensors among the forward inputs (also inside lists, tuples and
+    dicts) to the working dtype of ``precision`` before the module runs, as FSDP2's
+    ``MixedPrecisionPolicy(cast_forward_inputs=True)`` does: a bf16 model takes fp32
+    inputs. Integer tensors (token ids, masks) are never cast. False passes inputs as
+    given."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
@@ -134,6 +140,10 @@ class EngineConfig:
             )
         if not _is_real(self.min_loss_scale) or self.min_loss_scale <= 0:
             raise ConfigError(f"min_loss_scale={self.min_loss_scale!r} must be a number > 0")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise ConfigError(
+                f"cast_forward_inputs={self.cast_forward_inputs!r} must be True or False"
+            )
         if not _is_int(self.init_seed):
             raise ConfigError(f"init_seed={self.init_seed!r} must be an integer")
         if self.device is not None:
@@ -170,4 +180,5 @@ class EngineConfig:
             "min_loss_scale": self.min_loss_scale,
             "prefetch": self.prefetch,
             "sync_module_states": self.sync_module_states,
+            "cast_forward_inputs": self.cast_forward_inputs,
         }

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerostate import collectives
+from zerostate import adapt, collectives
 from zerostate.buckets import GradReducer, all_gather_shards
 from zerostate.collectives import CommStats
 from zerostate.config import EngineConfig
@@ -66,11 +66,14 @@ def _validate_model(model: Any, config: EngineConfig) -> None:
             "model to one device (each rank trains a full replica's worth of shards)"
         )
     for name, p in params:
-        if not p.is_floating_point():
+        # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
+        if not p.is_floating_point() and (p.requires_grad or p.is_meta):
             raise ConfigError(
                 f"parameter {name} has dtype {p.dtype}; only floating-point parameters can "
-                "be trained. Register it as a buffer (module.register_buffer) instead"
+                "be trained, and a frozen one must live on a real device. Register it as a "
+                "buffer (module.register_buffer) or set requires_grad=False"
             )
+    adapt.check_compile(model, config.stage)
     if any(p.is_meta for _, p in params) and config.stage != 3:
         raise ConfigError(
             f"the model is on the meta device, which only stage 3 can materialise shard by "
@@ -139,13 +142,8 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._bucket_numel = max(1, int(config.bucket_mb * 2**20) // self.dtype.itemsize)
 
-        named = list(model.named_parameters())
-        first = {id(p): n for n, p in named}
-        self.tied = {
-            n: first[id(p)]
-            for n, p in model.named_parameters(remove_duplicate=False)
-            if first[id(p)] != n
-        }
+        # Names without torch.compile's "_orig_mod." (see [Note: canonical names]).
+        named, self.tied = adapt.named_parameters(model)
         layouts = plan_layouts(
             [p.numel() for _, p in named], self.world_size, config.min_shard_numel
         )
@@ -158,7 +156,7 @@ class Engine:
         self._init_buffers()
         if config.sync_module_states and not any(p.is_meta for _, p in named):
             with torch.no_grad():
-                states = [p.data for _, p in named] + [b for _, b in model.named_buffers()]
+                states = [p.data for _, p in named] + [b for _, b in adapt.replicated_state(model)]
                 collectives.broadcast_from_first([t for t in states if t.numel()], group=group)
 
         self._s3: Stage3Runtime | None = None
@@ -219,8 +217,9 @@ class Engine:
             for n, b in module._buffers.items():
                 if b is not None and not b.is_meta and not b.is_contiguous():
                     module._buffers[n] = b.contiguous()
-        self._buffer_names = [n for n, _ in self.module.named_buffers()]
-        numels = [b.numel() for _, b in self.module.named_buffers()]
+        state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
+        self._buffer_names = [n for n, _ in state]
+        numels = [b.numel() for _, b in state]
         self._buffer_layouts = plan_layouts(numels, self.world_size, self.config.min_shard_numel)
 
     def _init_replicated_params(self) -> None:
@@ -271,6 +270,8 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._s3 is not None:
             self._s3.pre_forward_root()
+        cast = self.dtype if self.config.cast_forward_inputs else None
+        args, kwargs = adapt.cast_inputs(args, kwargs, cast)
         out = self.module(*args, **kwargs)
         if self._s3 is not None:
             self._s3.post_forward_root()
@@ -373,8 +374,8 @@ class Engine:
 
     # -- state access ----------------------------------------------------------------------
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        buffers = dict(self.module.named_buffers())
-        return [(n, buffers[n]) for n in self._buffer_names]
+        buffers = dict(adapt.replicated_state(self.module))
+        return [(adapt.canonical_name(n), buffers[n]) for n in self._buffer_names]
 
     def state_views(self) -> list[ShardView]:
         """Every logical tensor's live local state; see the checkpoint contract."""

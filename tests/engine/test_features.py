@@ -216,7 +216,8 @@ class _IntParam(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.count = nn.Parameter(torch.zeros(3, dtype=torch.long), requires_grad=False)
+        # Complex parameters can require grad, but partitioned AdamW trains reals only.
+        self.count = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
 
 
 def _errors_worker(rank: int, world_size: int) -> dict:

@@ -40,6 +40,7 @@ import torch
 
 from zerostate.errors import ConfigError, CorruptCheckpointError
 from zerostate.store.reader import open_checkpoint
+from zerostate.store.storage import location_contains
 
 #: Called as ``progress(bytes_done, bytes_total)`` after each piece is written.
 ProgressFn = Callable[[int, int], None]
@@ -235,6 +236,7 @@ def consolidate(
         raise ConfigError("safetensors is little-endian; consolidate on a little-endian host")
 
     reader = _open(ckpt, storage_options)
+    _refuse_inside_checkpoint(reader.url, out_path)
     st = reader.step(step)
     entries = export_entries(st.tensors, cast)
     shards = plan_shards(entries, limit)
@@ -385,6 +387,16 @@ def _local_path(out: str | os.PathLike) -> Path:
             "write locally, then upload the file"
         )
     return Path(text)
+
+
+def _refuse_inside_checkpoint(root: str, out: Path) -> None:
+    # Files written into the checkpoint root would sit among (or, with --force, replace)
+    # the step files; an output beside the checkpoint is fine.
+    if location_contains(root, out):
+        raise ConfigError(
+            f"output {str(out)!r} lies inside the checkpoint {root!r}; write it outside "
+            "the checkpoint directory"
+        )
 
 
 def _shard_naming(out: Path) -> tuple[Path, str]:

@@ -66,8 +66,8 @@ class CheckpointReader:
     def latest_step(self) -> int:
         committed, partial = self.scan()
         if not committed:
-            # An object store lists a missing bucket as empty: name that cause instead.
-            self._storage.check_writable()
+            # A missing directory or bucket lists as empty: name that cause instead.
+            self._storage.check_readable()
             hint = f" (only partial, uncommitted steps: {partial[-5:]})" if partial else ""
             raise CheckpointNotFoundError(f"no committed step under {self.url}{hint}")
         return committed[-1]

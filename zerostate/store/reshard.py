@@ -29,6 +29,7 @@ from zerostate.errors import ConfigError
 from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL, TensorLayout, plan_layouts
 from zerostate.store.consolidate import iter_chunk_payloads
 from zerostate.store.reader import delete_step, open_checkpoint, remove_partial_steps
+from zerostate.store.storage import canonical_location, locations_overlap
 from zerostate.store.writer import StepWriter, TensorSpec
 
 #: Called as ``progress(bytes_done, bytes_total)``.
@@ -59,25 +60,29 @@ def reshard(
     """Write step ``step`` (default: latest committed) of ``src`` to ``dst`` for
     ``world_size`` ranks. ``src`` is a checkpoint root (path or URL) or an opened
     checkpoint; ``dst`` is a checkpoint root that may already hold other steps.
-    ``dst_storage_options`` defaults to ``storage_options``.
+    ``dst_storage_options`` defaults to ``storage_options`` when ``dst`` is a URL (pass
+    ``{}`` for none), so S3 <-> local works with one set of options.
 
     Refuses a step already committed in ``dst`` unless ``force`` (which deletes it first).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-    if dst_storage_options is None:
-        dst_storage_options = storage_options
-    if isinstance(src, (str, os.PathLike)):
-        if _same_root(os.fspath(src), os.fspath(dst)):
-            raise ConfigError(
-                f"source and destination are the same checkpoint ({os.fspath(src)!r}); "
-                "reshard into a new directory"
-            )
-        reader = open_checkpoint(os.fspath(src), storage_options=storage_options)
-    else:
-        reader = src
-    st = reader.step(step)
+    dst_is_url = "://" in os.fspath(dst) and not os.fspath(dst).startswith("file://")
+    if dst_storage_options is None and dst_is_url:
+        dst_storage_options = storage_options  # a local destination takes no options
+    opened = not isinstance(src, (str, os.PathLike))
+    src_url = src.url if opened else os.fspath(src)
     dst = os.fspath(dst)
+    # Before anything is opened: with --force the destination's step is deleted first,
+    # which must never be the source's own step (or anything above or below it).
+    if locations_overlap(src_url, dst):
+        raise ConfigError(
+            f"source {src_url!r} and destination {dst!r} are the same checkpoint or one "
+            f"lies inside the other (they resolve to {canonical_location(src_url)!r} and "
+            f"{canonical_location(dst)!r}); reshard into a separate directory or prefix"
+        )
+    reader = src if opened else open_checkpoint(src_url, storage_options=storage_options)
+    st = reader.step(step)
 
     existing = open_checkpoint(dst, storage_options=dst_storage_options)
     if st.step in existing.steps():
@@ -165,8 +170,3 @@ def _updated_attrs(attrs: dict, src_world_size: int, world_size: int, step: int)
     out["resharded_from"] = {"world_size": int(src_world_size), "step": int(step)}
     return out
 
-
-def _same_root(a: str, b: str) -> bool:
-    if "://" in a or "://" in b:
-        return a.rstrip("/") == b.rstrip("/")
-    return os.path.abspath(a) == os.path.abspath(b)

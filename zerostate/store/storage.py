@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import shutil
 import threading
 import time
@@ -76,6 +77,8 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 _OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
+#: Spellings of one backend that address the same objects.
+_PROTOCOL_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "abfss": "abfs", "az": "abfs"}
 
 
 class Storage(ABC):
@@ -139,6 +142,16 @@ class Storage(ABC):
         """Raise :class:`StorageError` with the fix when the root cannot be written at all."""
         return None  # nothing to do on stores without directories
 
+    def check_readable(self) -> None:
+        """Raise :class:`CheckpointNotFoundError` (or :class:`StorageError`) naming the cause
+        when the root cannot hold a checkpoint to read. Creates nothing."""
+        return None  # stores without directories: an absent root just lists as empty
+
+    @property
+    def location(self) -> str:
+        """Canonical identity of the root (see :func:`canonical_location`)."""
+        return canonical_location(self.url)
+
     _attempts = 5
 
     def _retry(self, what: str, path: str, fn: Callable[[], T], attempts: int | None = None) -> T:
@@ -190,10 +203,26 @@ class LocalStorage(Storage):
         return target
 
     def check_writable(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StorageError(
+                f"checkpoint root {self.root} is a file, not a directory: name a directory"
+            )
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create checkpoint directory {self.root}: {exc}") from exc
+
+    def check_readable(self) -> None:
+        if os.path.isdir(self.root):
+            return
+        if os.path.exists(self.root):
+            raise CheckpointNotFoundError(
+                f"{self.root} is a file, not a checkpoint directory: pass the checkpoint "
+                "root (the directory holding step-* directories)"
+            )
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {self.root}: the directory does not exist; check the path"
+        )
 
     def makedirs(self, paths: Sequence[str]) -> None:
         for path in paths:
@@ -354,6 +383,9 @@ class FsspecStorage(Storage):
         return f"{self.root}/{path}" if path else self.root
 
     def check_writable(self) -> None:
+        self.check_readable()  # the bucket must exist either way; the check writes nothing
+
+    def check_readable(self) -> None:
         if not self.protocols & _OBJECT_STORE_PROTOCOLS:
             return
         bucket = self.root.split("/", 1)[0]
@@ -464,6 +496,70 @@ class FsspecStorage(Storage):
                     self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
                 except FileNotFoundError:
                     pass
+
+
+def canonical_location(root: str | os.PathLike) -> str:
+    """One spelling per storage location, for telling whether two roots are the same.
+
+    Local paths (plain or ``file://``) become ``file://`` + the real path: symlinks, ``..``,
+    ``~`` and relative paths resolved. URLs become ``protocol://bucket/key`` with the
+    protocol lower-cased and aliases merged (``s3a`` -> ``s3``), empty and ``.`` segments
+    dropped, ``..`` applied and no trailing slash. The endpoint is deliberately not part of
+    it: two spellings of one server cannot be told apart, so equal bucket and key on two
+    endpoints count as the same place (the safe answer when deleting is at stake).
+    """
+    text = os.fspath(root)
+    if not isinstance(text, str):
+        raise ConfigError(f"checkpoint root must be a path or URL, got {root!r}")
+    while "::" in text.split("://", 1)[0]:
+        text = text.split("::", 1)[1]  # fsspec chaining: the target URL comes last
+    protocol, sep, rest = text.partition("://")
+    if not sep or protocol.lower() in ("file", "local"):
+        path = os.path.expanduser(rest if sep else text)
+        return "file://" + os.path.realpath(path)
+    protocol = protocol.lower()
+    protocol = _PROTOCOL_ALIASES.get(protocol, protocol)
+    key = posixpath.normpath("/" + rest.lstrip("/")).lstrip("/")
+    return f"{protocol}://{key}".rstrip("/") if key else f"{protocol}://"
+
+
+Location = str | os.PathLike | Storage
+
+
+def location_contains(outer: Location, inner: Location) -> bool:
+    """Whether ``inner`` is ``outer`` or lies anywhere under it (as locations, see
+    :func:`canonical_location`). Local paths are also compared by inode, which catches
+    what text cannot (bind mounts, case-insensitive file systems)."""
+    a, b = _location(outer), _location(inner)
+    if b == a or b.startswith(a.rstrip("/") + "/"):
+        return True
+    if not (a.startswith("file://") and b.startswith("file://")):
+        return False
+    try:
+        target = os.stat(a.removeprefix("file://"))
+    except OSError:
+        return False
+    cur = b.removeprefix("file://")
+    while True:
+        try:
+            if os.path.samestat(os.stat(cur), target):
+                return True
+        except OSError:
+            pass  # not created yet: its existing ancestors still count
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            return False
+        cur = parent
+
+
+def locations_overlap(a: Location, b: Location) -> bool:
+    """Whether two roots are the same location or one lies inside the other: writing or
+    deleting under one may then destroy what the other holds."""
+    return location_contains(a, b) or location_contains(b, a)
+
+
+def _location(root: Location) -> str:
+    return root.location if isinstance(root, Storage) else canonical_location(root)
 
 
 def open_storage(root: Any, storage_options: dict | None = None) -> Storage:

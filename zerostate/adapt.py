@@ -1,0 +1,240 @@
+"""What users hand the engine, made uniform: parameter names of compiled modules, forward
+inputs, and the checkpoint root a save goes to.
+
+[Note: canonical names]
+``torch.compile(module)`` returns an ``OptimizedModule`` that holds the original as
+``_orig_mod``; compiling a submodule in place (``model.h[0] = torch.compile(block)``)
+puts ``_orig_mod`` in the middle of every name below it. ``module.compile()`` compiles in
+place and changes no name. Checkpoint names must not depend on how the model was compiled,
+so the engine names every parameter and buffer by :func:`canonical_name`, which drops each
+``_orig_mod`` component. Loading then works compiled -> uncompiled and the reverse, and
+consolidation gives the names of the plain model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerostate.errors import ConfigError, ZerostateError
+
+log = logging.getLogger("zerostate")
+
+_COMPILED_WRAPPER = "_orig_mod"
+
+
+# ------------------------------------------------------------------- canonical names
+def canonical_name(name: str) -> str:
+    """``name`` without the ``_orig_mod`` components torch.compile wrappers add."""
+    if _COMPILED_WRAPPER not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != _COMPILED_WRAPPER)
+
+
+def canonical_named(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``(canonical_name(n), x)`` for each pair; refuses two entries that collide."""
+    out: list[tuple[str, Any]] = []
+    seen: dict[str, str] = {}
+    for name, value in pairs:
+        canonical = canonical_name(name)
+        if canonical in seen and seen[canonical] != name:
+            raise ConfigError(
+                f"{name!r} and {seen[canonical]!r} both name {canonical!r} once the "
+                "torch.compile wrapper (_orig_mod) is removed; rename the attribute"
+            )
+        seen[canonical] = name
+        out.append((canonical, value))
+    return out
+
+
+def named_parameters(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[str, str]]:
+    """The engine's partitioned parameters: ``(canonical name, parameter)`` once per
+    floating-point parameter, and ``tied`` (``{alias: canonical name of the first owner}``).
+    Frozen non-floating-point parameters are replicated state instead, see
+    :func:`replicated_state`."""
+    named = canonical_named((n, p) for n, p in model.named_parameters() if p.is_floating_point())
+    first = {id(p): n for n, p in named}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(name)
+        if id(p) in first and first[id(p)] != name:
+            tied[name] = first[id(p)]
+    return named, tied
+
+
+def replicated_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the state every rank keeps whole: buffers, then frozen
+    non-floating-point parameters (an integer ``nn.Parameter(..., requires_grad=False)``:
+    nothing to optimise, so it is neither partitioned nor given optimizer state; it is
+    checkpointed like a buffer, as ``buffers/<name>`` in its own dtype). Names as the
+    module has them (``_orig_mod.`` included)."""
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.is_floating_point()]
+    return list(model.named_buffers()) + frozen
+
+
+def check_compile(model: nn.Module, stage: int) -> None:
+    """Refuse the torch.compile uses stage 3 cannot run, before anything is built.
+
+    [Note: stage 3 and torch.compile]
+    Stage 3 gathers a unit's parameters in forward hooks and frees them (storage resized
+    to zero) after it. A whole-model ``torch.compile(model)`` or any ``module.compile()``
+    puts those hooks inside the compiled region: Dynamo traces the storage resizes, and
+    once parameter sizes vary they become symbolic, which Inductor cannot lower
+    (``LoweringException: ... resize_storage_bytes_``). ``torch.compile(block)`` assigned
+    in place of a block keeps the hooks on the wrapper, outside the compiled code, and
+    works, as it does with FSDP2. Stages 0-2 run hooks only on gradients and take any of
+    the three forms.
+    """
+    if stage != 3:
+        return
+    fix = (
+        "stage 3 gathers and frees parameters in module hooks, which a compiled region "
+        "cannot contain. Compile each block instead and assign it in place, before "
+        "wrapping: `for i, block in enumerate(model.h): model.h[i] = torch.compile(block)` "
+        "(the blocks are the children of an nn.ModuleList, stage 3's units), or use "
+        "stage=2 to compile the whole model"
+    )
+    if _is_compiled_wrapper(model):
+        raise ConfigError(f"torch.compile(model) cannot be trained at stage 3: {fix}")
+    for name, module in model.named_modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            where = f"{name}.compile()" if name else "model.compile()"
+            raise ConfigError(f"{where} cannot be trained at stage 3: {fix}")
+
+
+def _is_compiled_wrapper(module: nn.Module) -> bool:
+    return isinstance(getattr(module, _COMPILED_WRAPPER, None), nn.Module) and hasattr(
+        module, "_torchdynamo_orig_callable"
+    )
+
+
+# ------------------------------------------------------------------- forward inputs
+def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
+    """Floating-point tensors in ``args``/``kwargs`` (also inside lists, tuples and
+    dicts) cast to ``dtype``; everything else (integer token ids, masks, non-tensors)
+    passed through untouched; ``dtype=None`` casts nothing. Mirrors FSDP2's
+    ``cast_forward_inputs``."""
+    if dtype is None or not _needs_cast((args, kwargs), dtype):
+        return args, kwargs  # the common case: no rebuild of the argument structure
+    return _cast(args, dtype), _cast(kwargs, dtype)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_cast(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _cast(v, dtype)) for k, v in value.items())
+    return value
+
+
+def _needs_cast(value: Any, dtype: torch.dtype) -> bool:
+    return any(t.is_floating_point() and t.dtype != dtype for t in _tensors(value))
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+# ------------------------------------------------------------------- partial loads
+def report_skipped(path: str, step: int, wanted: list[str], stored: Iterable[str]) -> list[str]:
+    """For ``load(strict=False)``: log what is skipped either way (model state the step
+    lacks, stored model tensors the model lacks) and return the skipped names. Raises
+    when none of the model's parameters is in the step: that is the wrong checkpoint (or
+    names that changed), never a partial load."""
+    from zerostate.errors import CheckpointError
+
+    stored = set(stored)
+    missing = [n for n in wanted if n not in stored]
+    extra = sorted(n for n in stored if n.startswith("model/") and n not in set(wanted))
+    params = [n for n in wanted if n.startswith("model/")]
+    if params and all(n in missing for n in params):
+        shown = ", ".join(extra[:3]) or "no model tensors"
+        raise CheckpointError(
+            f"step {step} in {path} holds none of this model's {len(params)} parameters "
+            f"(it has {shown}); strict=False skips some state, it does not load another "
+            "model: check the path and the model"
+        )
+    if missing:
+        log.warning(
+            "zerostate: load(strict=False) from %s step %d left %d tensor(s) as they were: %s",
+            path, step, len(missing), _shown(missing),
+        )  # fmt: skip
+    if extra:
+        log.warning(
+            "zerostate: load(strict=False) from %s step %d ignored %d stored tensor(s) the "
+            "model lacks: %s",
+            path, step, len(extra), _shown(extra),
+        )  # fmt: skip
+    return missing
+
+
+def _shown(names: list[str], limit: int = 10) -> str:
+    return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
+
+
+# ------------------------------------------------------------------- save target
+def check_save_target(
+    path: str, storage_options: dict | None, model_shapes: dict[str, tuple[int, ...]]
+) -> str | None:
+    """Why ``engine.save(path)`` must not write there, or None when it may.
+
+    [Note: save target]
+    A root is refused when it lies inside a step directory of a checkpoint (``.../step-
+    00000100/``), or when its latest committed step holds a different model (other
+    ``model/`` tensor names or shapes): that is another run's root reused by accident,
+    where this run's steps would interleave with the other's, a later ``load`` could pick
+    the other run's step, and ``keep_last`` would delete the other run's steps. Names and
+    shapes are logical, so a root written at another world size (or compiled, see
+    [Note: canonical names]) is the same model. Checked once per root per engine.
+    """
+    from zerostate.store import format as fmt
+    from zerostate.store.reader import open_checkpoint
+    from zerostate.store.storage import canonical_location
+
+    location = canonical_location(path)
+    inside = [p for p in location.split("://", 1)[1].split("/") if fmt.parse_step_dir(p)]
+    if inside:
+        return (
+            f"save path {path!r} lies inside the step directory {inside[-1]!r} of a "
+            "checkpoint; pass the checkpoint root (the directory holding step-* "
+            "directories) or a new directory"
+        )
+    try:
+        ckpt = open_checkpoint(path, storage_options=storage_options)
+        committed = ckpt.steps()
+        if not committed:
+            return None
+        tensors = ckpt.step(committed[-1]).tensors
+        theirs = {n: tuple(i.shape) for n, i in tensors.items() if n.startswith("model/")}
+    except ZerostateError as exc:
+        return f"cannot check the save path {path!r}: {exc}"
+    if theirs == model_shapes:
+        return None
+    only = set(theirs) ^ set(model_shapes)
+    differ = sorted(only) or sorted(n for n in theirs if theirs[n] != model_shapes[n])
+    name = differ[0]
+    if name in only:
+        why = "only in this model" if name in model_shapes else "only in the checkpoint"
+    else:
+        why = f"shape {theirs[name]} there, {model_shapes[name]} here"
+    return (
+        f"{path!r} already holds checkpoints of a different model (latest step "
+        f"{committed[-1]}: {name!r} {why}; {len(differ)} tensor(s) differ). Saving there "
+        "would mix two runs, and keep_last would delete the other run's steps: save to a "
+        "new directory, or delete the old steps first"
+    )
