@@ -179,6 +179,6 @@ def load_pretrained(
     _agree(engine, error, "reading tensor data")
     engine.refresh_from_masters()
     engine._mark_set(t.name for t in targets)
-    if report.missing or report.unexpected or report.mismatched:
+    if engine.rank == 0 and (report.missing or report.unexpected or report.mismatched):
         log.warning("load_pretrained(%s, strict=False): %s", path_or_url, report.describe())
     return report

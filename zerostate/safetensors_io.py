@@ -238,6 +238,7 @@ class SafetensorsSource:
         size = self._size(f"{directory}/{index}")
         if size > MAX_INDEX_BYTES:
             raise CorruptCheckpointError(f"{index} is {size} bytes; an index is far smaller")
+        self.root = directory  # _read resolves names against it
         return directory, parse_index(self._read(index, 0, size), index=index)
 
     def _size(self, path: str) -> int:
