@@ -109,8 +109,8 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
         entry = match([sp.name, *aliases.get(sp.name, [])], tuple(sp.shape))
         if entry is not None:
             # The master covers the whole tensor at stage 0, the owned range otherwise.
-            start = 0 if engine.stage == 0 else sp.start
-            assert sp.master.numel() == (sp.numel if engine.stage == 0 else sp.stop - sp.start)
+            start = getattr(sp, "master_start", 0 if engine.stage == 0 else sp.start)
+            assert start + sp.master.numel() <= sp.numel, (sp.name, start)
             targets.append(_Target(sp.name, entry, sp.master, start))
     for name, buf in _persistent_buffers(engine.module).items():
         entry = match([name], tuple(buf.shape))
