@@ -178,7 +178,7 @@ def load_pretrained(
         error = exc
     _agree(engine, error, "reading tensor data")
     engine.refresh_from_masters()
-    engine._mark_set(t.name for t in targets)
+    engine._mark_set([t.name for t in targets])
     if engine.rank == 0 and (report.missing or report.unexpected or report.mismatched):
         log.warning("load_pretrained(%s, strict=False): %s", path_or_url, report.describe())
     return report
