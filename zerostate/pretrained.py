@@ -27,16 +27,12 @@ from typing import Any, NamedTuple
 import torch
 
 from zerostate import collectives
-from zerostate.errors import DistributedMismatchError, ZerostateError
+from zerostate.errors import DistributedMismatchError, PretrainedMismatchError, ZerostateError
 from zerostate.safetensors_io import SafetensorsSource, TensorEntry
 
 log = logging.getLogger(__name__)
 
 __all__ = ["PretrainedMismatchError", "PretrainedReport", "load_pretrained"]
-
-
-class PretrainedMismatchError(ZerostateError, ValueError):
-    """A pretrained checkpoint's tensor names or shapes do not fit the model."""
 
 
 class PretrainedReport(NamedTuple):
