@@ -163,13 +163,8 @@ def load_pretrained(
     try:
         with torch.no_grad():
             for t in targets:
-                stop = t.start + t.out.numel()
-                if t.out.device.type == "cpu":
-                    source.read_elements(t.entry, t.start, stop, t.out)
-                else:
-                    host = torch.empty(t.out.numel(), dtype=t.out.dtype)
-                    source.read_elements(t.entry, t.start, stop, host)
-                    t.out.copy_(host)
+                # Pieces are copied (and cast) straight into the master, on any device.
+                source.read_elements(t.entry, t.start, t.start + t.out.numel(), t.out)
     except (ZerostateError, OSError, ValueError) as exc:
         error = exc
     _agree(engine, error, "reading tensor data")

@@ -249,15 +249,22 @@ class SafetensorsSource:
         except OSError as exc:
             raise StorageError(f"cannot stat {path}: {exc}") from exc
 
-    def _read(self, file: str, start: int, stop: int) -> bytes:
+    def _read(self, file: str, start: int, stop: int) -> bytearray:
         path = f"{self.root}/{file}"
         try:
             if self._local:
-                with open(path, "rb") as f:
+                data = bytearray(stop - start)  # writable: torch.frombuffer takes it as is
+                with open(path, "rb", buffering=0) as f:
                     f.seek(start)
-                    data = f.read(stop - start)
+                    got = 0
+                    while got < len(data):
+                        n = f.readinto(memoryview(data)[got:])
+                        if not n:
+                            break
+                        got += n
+                del data[got:]
             else:
-                data = self.fs.cat_file(path, start=start, end=stop)
+                data = bytearray(self.fs.cat_file(path, start=start, end=stop))
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{path} does not exist") from exc
         except OSError as exc:
@@ -315,5 +322,5 @@ class SafetensorsSource:
         for lo in range(start, stop, step):
             hi = min(stop, lo + step)
             raw = self._read(entry.file, entry.begin + lo * item, entry.begin + hi * item)
-            piece = torch.frombuffer(bytearray(raw), dtype=entry.dtype)
+            piece = torch.frombuffer(raw, dtype=entry.dtype)
             out[lo - start : hi - start].copy_(piece)
