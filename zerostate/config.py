@@ -74,7 +74,9 @@ class EngineConfig:
     """fp16 only: the loss scale never drops below this."""
     init_fn: Callable[[nn.Module], None] | None = None
     """Stage 3 with a model on the ``meta`` device: ``init_fn(module)`` initialises the
-    parameters (and buffers) a module directly owns. Default: ``module.reset_parameters()``."""
+    parameters (and buffers) a module directly owns. Default: the model's own
+    ``_init_weights(module)`` if it defines one (Hugging Face models do), else
+    ``module.reset_parameters()``; what nothing initialises stays unset until loaded."""
     init_seed: int = 0
     """Seed of the deterministic per-module initialisation of a ``meta`` model."""
     device: str | None = None

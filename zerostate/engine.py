@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import PartitionedAdamW, ShardGroup, sum_of_squares
 from zerostate.partition import TensorLayout, plan_layouts
 from zerostate.precision import LossScaler
+from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.sharded import BufferPool, ShardedParam, ShardView
 from zerostate.stage3 import Stage3Runtime, materialise
 
@@ -161,15 +163,17 @@ class Engine:
 
         self._s3: Stage3Runtime | None = None
         self._reducer: GradReducer | None = None
+        # Names whose values no initialiser wrote (see [Note: unset state], stage3.py).
+        self._unset: set[str] = set()
         if self.stage == 3:
-            materialise(
+            self._unset = set(materialise(
                 model,
                 self._params,
                 dtype=self.dtype,
                 device=device,
                 init_fn=config.init_fn,
                 seed=config.init_seed,
-            )
+            ))
             self._s3 = Stage3Runtime(
                 model,
                 self._params,
@@ -268,6 +272,8 @@ class Engine:
 
     # -- training ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._unset:
+            self._refuse_unset()
         if self._s3 is not None:
             self._s3.pre_forward_root()
         cast = self.dtype if self.config.cast_forward_inputs else None
@@ -278,6 +284,18 @@ class Engine:
         return out
 
     forward = __call__
+
+    def _refuse_unset(self) -> None:
+        names = sorted(self._unset)
+        shown = ", ".join(names[:8]) + (f" ... (+{len(names) - 8} more)" if len(names) > 8 else "")
+        raise EngineUsageError(
+            f"{len(names)} tensor(s) of this meta-device model have no initialiser and were "
+            f"never loaded: {shown}. Call engine.load_pretrained(...) or engine.load(...) "
+            "first, or pass init_fn=callable(module) to initialise them"
+        )
+
+    def _mark_set(self, names: Any) -> None:
+        self._unset.difference_update(names)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss (its mean over the local batch)."""
@@ -506,9 +524,27 @@ class Engine:
         """Collective: load step ``step`` (latest committed when None) written at ANY world
         size and stage; each rank reads only the ranges it holds. Returns ``client_state``.
         ``strict=False`` leaves state the checkpoint lacks as it is (new parameters, say)."""
-        return self._ckpt().load(
+        state = self._ckpt().load(
             path, step=step, storage_options=storage_options, strict=strict
         )
+        self._unset.clear()  # a checkpoint holds every parameter and buffer (or strict=False)
+        return state
+
+    def load_pretrained(
+        self,
+        path_or_url: str | os.PathLike,
+        storage_options: dict | None = None,
+        strict: bool = True,
+    ) -> PretrainedReport:
+        """Collective: load Hugging Face safetensors weights (a ``.safetensors`` file, or a
+        directory / fsspec URL holding ``model.safetensors`` or a sharded
+        ``model.safetensors.index.json``) into the masters and working copies, at any stage.
+        Each rank reads only the byte ranges of the elements it holds. Tied aliases count
+        as their parameter. ``strict=True`` raises one error listing missing, unexpected
+        and mis-shaped names; ``strict=False`` loads what matches and returns the lists
+        (a :class:`~zerostate.pretrained.PretrainedReport`). Optimizer state is untouched.
+        """
+        return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters (canonical names) and buffers; collective."""

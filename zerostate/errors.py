@@ -41,3 +41,7 @@ class CommitTimeoutError(CheckpointError, TimeoutError):
 
 class DistributedMismatchError(ZerostateError, ValueError):
     """Ranks disagree about something that must be identical (model shapes, names, config)."""
+
+
+class PretrainedMismatchError(ZerostateError, ValueError):
+    """A pretrained checkpoint's tensor names or shapes do not fit the model."""

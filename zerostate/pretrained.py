@@ -1,0 +1,175 @@
+"""Start training from pretrained Hugging Face safetensors weights, reading only owned bytes.
+
+``Engine.load_pretrained`` delegates here. Every rank, in step:
+
+1. opens the checkpoint (:class:`~zerostate.safetensors_io.SafetensorsSource`) and reads
+   and validates every header (a few KB to MB; see [Note: safetensors layout]);
+2. matches file names to the model: a parameter is found under its canonical name or any
+   of its tied aliases; persistent buffers under their own names. Missing, unexpected and
+   mis-shaped names are collected into one :class:`PretrainedReport`;
+3. agrees with the other ranks (one all-reduce of a failure flag), so all fail together;
+4. reads, per parameter, only the elements whose fp32 master this rank holds (stage 0:
+   all of them; stages 1-3: ``[start, stop)``), converting the file's dtype to fp32 in
+   bounded pieces; buffers (small, replicated) are read whole;
+5. agrees again, then ``Engine.refresh_from_masters`` rebuilds the working copies (stages
+   1-2 all-gather them; stage 3 casts into the local shard).
+
+Peak extra memory per rank is one read piece (``READ_PIECE_BYTES``) plus its converted
+copy, whatever the model's size: the masters and buffers already exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, NamedTuple
+
+import torch
+
+from zerostate import collectives
+from zerostate.errors import DistributedMismatchError, PretrainedMismatchError, ZerostateError
+from zerostate.safetensors_io import SafetensorsSource, TensorEntry
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PretrainedMismatchError", "PretrainedReport", "load_pretrained"]
+
+
+class PretrainedReport(NamedTuple):
+    """What ``load_pretrained`` could not match; all empty after a clean strict load."""
+
+    missing: list[str]
+    """Model parameters and persistent buffers that no file tensor provided."""
+    unexpected: list[str]
+    """File tensors that name nothing in the model."""
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    """``(name, file shape, model shape)`` for names present in both with other shapes."""
+
+    def describe(self, limit: int = 20) -> str:
+        def shown(items: list[Any]) -> str:
+            more = f" ... (+{len(items) - limit} more)" if len(items) > limit else ""
+            return ", ".join(map(str, items[:limit])) + more
+
+        parts = []
+        if self.missing:
+            parts.append(f"missing from the file ({len(self.missing)}): {shown(self.missing)}")
+        if self.unexpected:
+            parts.append(
+                f"unexpected in the file ({len(self.unexpected)}): {shown(self.unexpected)}"
+            )
+        if self.mismatched:
+            rows = [f"{n} file {list(f)} vs model {list(m)}" for n, f, m in self.mismatched]
+            parts.append(f"mis-shaped ({len(rows)}): {shown(rows)}")
+        return "; ".join(parts)
+
+
+class _Target(NamedTuple):
+    name: str
+    entry: TensorEntry
+    out: torch.Tensor  # flat, the elements [start, start + numel) of the tensor
+    start: int
+
+
+def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for prefix, module in model.named_modules():
+        skip = module._non_persistent_buffers_set
+        for n, b in module._buffers.items():
+            if b is not None and n not in skip:
+                out.setdefault(f"{prefix}.{n}" if prefix else n, b)
+    return out
+
+
+def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], PretrainedReport]:
+    aliases: dict[str, list[str]] = {}
+    for alias, canonical in engine.tied.items():
+        aliases.setdefault(canonical, []).append(alias)
+    used: set[str] = set()
+    missing: list[str] = []
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    targets: list[_Target] = []
+
+    def match(names: list[str], shape: tuple[int, ...]) -> TensorEntry | None:
+        present = [n for n in names if n in entries]
+        used.update(present)
+        if not present:
+            missing.append(names[0])
+            return None
+        entry = entries[present[0]]
+        if entry.shape != shape:
+            mismatched.append((present[0], entry.shape, shape))
+            return None
+        return entry
+
+    for sp in engine._params:
+        entry = match([sp.name, *aliases.get(sp.name, [])], tuple(sp.shape))
+        if entry is not None:
+            # The master covers the whole tensor at stage 0, the owned range otherwise.
+            start = getattr(sp, "master_start", 0 if engine.stage == 0 else sp.start)
+            assert start + sp.master.numel() <= sp.numel, (sp.name, start)
+            targets.append(_Target(sp.name, entry, sp.master, start))
+    for name, buf in _persistent_buffers(engine.module).items():
+        entry = match([name], tuple(buf.shape))
+        if entry is not None:
+            targets.append(_Target(name, entry, buf.view(-1), 0))
+    unexpected = sorted(set(entries) - used)
+    return targets, PretrainedReport(missing, unexpected, mismatched)
+
+
+def _agree(engine: Any, error: BaseException | None, what: str) -> None:
+    """All ranks raise when any rank failed: the failing rank its own error, the others
+    a pointer to it. One all-reduce of a flag per rank."""
+    flags = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.device)
+    flags[engine.rank] = error is not None
+    collectives.all_reduce(flags, group=engine.group, stats=None)
+    if error is not None:
+        raise error
+    failed = [r for r, f in enumerate(flags.tolist()) if f]
+    if failed:
+        raise DistributedMismatchError(
+            f"load_pretrained failed on rank(s) {failed} while {what}; see the error those "
+            "ranks raised"
+        )
+
+
+def load_pretrained(
+    engine: Any,
+    path_or_url: str | os.PathLike,
+    storage_options: dict | None = None,
+    strict: bool = True,
+) -> PretrainedReport:
+    """Load Hugging Face safetensors weights into ``engine``; collective. See the module
+    docstring. ``strict=False`` loads what matches and returns (and logs) the rest."""
+    error: BaseException | None = None
+    targets: list[_Target] = []
+    report = PretrainedReport([], [], [])
+    source: SafetensorsSource | None = None
+    try:
+        source = SafetensorsSource(path_or_url, storage_options)
+        targets, report = _plan(engine, source.entries())
+        if strict and (report.missing or report.unexpected or report.mismatched):
+            raise PretrainedMismatchError(
+                f"{os.fspath(path_or_url)} does not fit the model: {report.describe()}. "
+                "Check that the file belongs to this architecture and config, or pass "
+                "strict=False to load what matches and get these lists back"
+            )
+    except (ZerostateError, OSError, ValueError) as exc:
+        error = exc
+    _agree(engine, error, "reading the safetensors headers")
+    checkpointer = getattr(engine, "_checkpointer", None)
+    if checkpointer is not None:
+        checkpointer.wait()  # an async save may still be reading the masters
+        checkpointer.before_update()
+    try:
+        with torch.no_grad():
+            for t in targets:
+                # Pieces are copied (and cast) straight into the master, on any device.
+                source.read_elements(t.entry, t.start, t.start + t.out.numel(), t.out)
+    except (ZerostateError, OSError, ValueError) as exc:
+        error = exc
+    _agree(engine, error, "reading tensor data")
+    engine.refresh_from_masters()
+    engine._mark_set([t.name for t in targets])
+    if engine.rank == 0 and (report.missing or report.unexpected or report.mismatched):
+        log.warning("load_pretrained(%s, strict=False): %s", path_or_url, report.describe())
+    return report
