@@ -1,4 +1,8 @@
-"""Every ``torch.distributed`` call the engine makes, as free functions returning handles.
+"""Every ``torch.distributed`` call the package makes, as free functions returning handles.
+
+Nothing else in ``zerostate`` imports ``torch.distributed`` (a test scans the sources).
+The collective *patterns* built on these calls (pack, launch, cap in-flight work,
+accumulate, unpack, release) live once in :mod:`zerostate.comm`.
 
 [Note: comm accounting]
 Volumes follow the ZeRO paper: an all-reduce of ``X`` elements moves ``2X`` (it is a
@@ -21,10 +25,18 @@ from zerostate.errors import ConfigError, DistributedMismatchError
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
-# torch >= 2.10 names the single-tensor collectives *_single; older releases only have the
-# *_tensor spellings (same semantics).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    # torch >= 2.10 names the single-tensor collectives *_single; older releases only have
+    # the *_tensor spellings (same semantics). Looked up per call so that a wrapper
+    # installed on torch.distributed (an independent traffic count, say) sees every call.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
 
 
 @dataclass
@@ -143,6 +155,17 @@ def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:
     works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
     for work in works:
         work.wait()
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists (checkpoint tools also run without one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier(*, group: Any) -> None:
+    """Block until every rank of ``group`` arrives; a no-op without a process group."""
+    if is_initialized():
+        dist.barrier(group=group)
 
 
 def _digest(obj: Any) -> int:

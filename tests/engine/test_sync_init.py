@@ -15,7 +15,7 @@ TINY = dict(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
 def _worker(rank: int, world_size: int, stage: int) -> dict:
     torch.manual_seed(100 + rank)  # deliberately different on every rank
     model = GPT2(GPT2Config(**TINY))
-    engine = zerostate.Engine(model, stage=stage, min_shard_numel=16)
+    engine = zerostate.Engine(model, stage=stage)
     state = engine.full_state_dict()
     torch.manual_seed(100)
     rank0_init = GPT2(GPT2Config(**TINY)).state_dict()
