@@ -100,9 +100,7 @@ def _training_worker(rank: int, world_size: int) -> dict:
     #    on a learnable task, at a learning rate where the loss really falls.
     for stage in (0, 2, 3):
         for precision in ("fp32", "bf16", "fp16"):
-            engine = make_engine(
-                make_model(), stage=stage, precision=precision, lr=1e-2
-            )
+            engine = make_engine(make_model(), stage=stage, precision=precision, lr=1e-2)
             out[("curve", stage, precision)] = _learnable_curve(engine, rank, world_size)
     # 2. fp16: an inf gradient on one rank skips the step everywhere and halves the scale.
     for stage in (0, 1, 2, 3):
@@ -148,9 +146,7 @@ def _training_worker(rank: int, world_size: int) -> dict:
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     with torch.device("meta"):
         meta_model = GPT2(cfg)
-    engine = zerostate.Engine(
-        meta_model, stage=3, init_fn=_init, init_seed=7, device="cpu"
-    )
+    engine = zerostate.Engine(meta_model, stage=3, init_fn=_init, init_seed=7, device="cpu")
     cpu_model = GPT2(cfg)
     deterministic_init(cpu_model, _init, seed=7)
     full = engine.full_state_dict()

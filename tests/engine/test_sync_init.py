@@ -20,9 +20,7 @@ def _worker(rank: int, world_size: int, stage: int) -> dict:
     torch.manual_seed(100)
     rank0_init = GPT2(GPT2Config(**TINY)).state_dict()
     return {
-        "max_diff_to_rank0_init": max(
-            (state[k] - rank0_init[k]).abs().max().item() for k in state
-        ),
+        "max_diff_to_rank0_init": max((state[k] - rank0_init[k]).abs().max().item() for k in state),
         "checksum": float(sum(t.double().sum() for t in state.values())),
     }
 
