@@ -46,6 +46,15 @@ def _weed_binary() -> str:
     return found
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """End-to-end tests (torchrun jobs) and S3 tests (a SeaweedFS server) are slow: the fast
+    set, ``pytest -m "not slow"``, leaves them out; scripts/test.sh and CI run them."""
+    e2e = Path(__file__).resolve().parent / "e2e"
+    for item in items:
+        if item.get_closest_marker("s3") or e2e in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @dataclass
 class S3Server:
     """A running SeaweedFS S3 endpoint; any key/secret is accepted (no IAM configured)."""

@@ -118,7 +118,8 @@ def all_reduce(
     return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
 
 
-def reduce_scatter(
+def _segmented(
+    kind: str,
     output: torch.Tensor,
     input: torch.Tensor,
     *,
@@ -126,24 +127,33 @@ def reduce_scatter(
     stats: CommStats | None,
     async_op: bool = False,
 ) -> Handle:
-    """Sum ``input`` (``world_size`` equal segments) across ranks; rank r gets segment r."""
-    _count(stats, "reduce_scatter", input.numel(), input)
-    return Handle(
-        _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    )
+    # The full (unsharded) tensor is the input of a reduce-scatter, the output of an
+    # all-gather: that is what [Note: comm accounting] counts.
+    if kind == "reduce_scatter":
+        _count(stats, kind, input.numel(), input)
+        work = _reduce_scatter_single(
+            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+    else:
+        _count(stats, kind, output.numel(), output)
+        work = _all_gather_single(output, input, group=group, async_op=async_op)
+    return Handle(work)
 
 
-def all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    group: Any,
-    stats: CommStats | None,
-    async_op: bool = False,
-) -> Handle:
-    """Concatenate every rank's ``input`` into ``output`` (``world_size`` segments)."""
-    _count(stats, "all_gather", output.numel(), output)
-    return Handle(_all_gather_single(output, input, group=group, async_op=async_op))
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, **options: Any) -> Handle:
+    """Sum ``input`` (``world_size`` equal segments) across ranks; rank r gets segment r.
+
+    ``options``: ``group``, ``stats`` (both required) and ``async_op``.
+    """
+    return _segmented("reduce_scatter", output, input, **options)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, **options: Any) -> Handle:
+    """Concatenate every rank's ``input`` into ``output`` (``world_size`` segments).
+
+    ``options``: ``group``, ``stats`` (both required) and ``async_op``.
+    """
+    return _segmented("all_gather", output, input, **options)
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:

@@ -3,6 +3,7 @@ broadcasts rank 0's initial parameters (sync_module_states, on by default)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers_dist import run_distributed
 
@@ -25,6 +26,7 @@ def _worker(rank: int, world_size: int, stage: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_initial_parameters_come_from_rank_0():
     for stage in (0, 2, 3):
         results = run_distributed(_worker, 2, stage)
