@@ -129,8 +129,8 @@ def test_fp16_reduction_is_predivided_and_accumulated_in_fp32(monkeypatch) -> No
             assert torch.equal(view, torch.full_like(view, 160000.0))
 
 
-def _train(rank: int, group: SimGroup, stage: int, settings: dict, accum: int) -> tuple:
-    engine = make_engine(make_model(), stage=stage, group=group, **settings)
+def _train(rank: int, group: SimGroup, model, stage: int, settings: dict, accum: int) -> tuple:
+    engine = make_engine(model, stage=stage, group=group, **settings)
     losses = _steps(engine, rank, group.size(), 3, accum)
     return losses, engine.full_state_dict(), type(engine._strategy)
 
@@ -163,8 +163,13 @@ STRATEGIES = {
 @pytest.mark.parametrize("world_size, accum", [(1, 1), (3, 2)])
 def test_each_strategy_matches_torch_adamw(monkeypatch, stage, world_size, accum) -> None:
     settings = dict(grad_accum_steps=accum, bucket_mb=0.01)
+    # Models are built here, not on the rank threads: torch's default generator is global,
+    # so threads building models at once would interleave their random draws.
+    models = [make_model() for _ in range(world_size)]
     results = run_sim(
-        lambda rank, group: _train(rank, group, stage, settings, accum), world_size, monkeypatch
+        lambda rank, group: _train(rank, group, models[rank], stage, settings, accum),
+        world_size,
+        monkeypatch,
     )
     ref_losses, ref_params = reference_run(make_model(), 3, accum=accum)
     # Equal local batches: the mean of the ranks' local means is the global mean.
