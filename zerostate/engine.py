@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -437,7 +438,11 @@ class Engine:
         try:
             self.close()
         except Exception as save_error:  # the body's exception is the one to propagate
-            exc.add_note(f"zerostate: an async checkpoint save also failed: {save_error!r}")
+            note = f"zerostate: an async checkpoint save also failed: {save_error!r}"
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(note)
+            else:
+                warnings.warn(note, stacklevel=2)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters (canonical names) and buffers; collective."""

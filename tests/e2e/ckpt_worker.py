@@ -104,6 +104,7 @@ def run_job(job: dict, out: Path) -> None:
         h.wait()
         save["wait_s"] = time.perf_counter() - t0
         save["blocked_s"] = h.blocked_s
+    engine.close()  # nothing in flight any more; a failed save would raise here
     full = engine.full_state_dict()
     if rank == 0:
         name = job["name"]
