@@ -4,6 +4,8 @@
 ``reduce_dtype`` (fp32). A tensor hook on each parameter records the bf16 gradient of
 every micro-step on every rank; their exact fp32 sum over micro-steps and ranks, divided
 by ``world_size * 8``, is the reference for the gradient (shard) handed to the optimizer.
+Measured once against the engine before fp32 reduction (bf16 sums, shards accumulated in
+bf16): 4.3e-3 to 4.8e-3 relative L2 depending on the stage; now about 1e-9.
 """
 
 from __future__ import annotations
