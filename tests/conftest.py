@@ -18,6 +18,15 @@ from seaweed import S3Server, start_seaweedfs, stop_seaweedfs  # noqa: E402
 __all__ = ["S3Server", "s3_server"]
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """End-to-end tests (torchrun jobs) and S3 tests (a SeaweedFS server) are slow: the fast
+    set, ``pytest -m "not slow"``, leaves them out; scripts/test.sh and CI run them."""
+    e2e = Path(__file__).resolve().parent / "e2e"
+    for item in items:
+        if item.get_closest_marker("s3") or e2e in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """Session-wide SeaweedFS (``weed server -s3``) bound to 127.0.0.1 only."""

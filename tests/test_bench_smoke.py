@@ -35,6 +35,7 @@ def _assert_trained(result: dict) -> None:
 ZS = ("zs0", "zs1", "zs2", "zs3")
 
 
+@pytest.mark.slow
 def test_torch_peers_and_zerostate(tmp_path):
     proc, report = _run(tmp_path, "ddp,zero1opt,fsdp2," + ",".join(ZS))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -269,6 +269,7 @@ def test_s3_via_storage_options_and_missing_bucket(s3_server, tmp_path: Path, ca
     assert "does not exist" in err and "zs-missing-" in err
 
 
+@pytest.mark.slow
 def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
     # Enough tensors that the listing overflows the pipe buffer after `head` has gone.
     tensors = {f"model/layer.{i}.weight": torch.zeros(3) for i in range(3000)}

@@ -2,8 +2,9 @@
 
 The engine exposes its state as :class:`~zerostate.engine.ShardView` objects (one per
 logical tensor: fp32 master weights, Adam moments, buffers); this module moves them to and
-from the store. It owns no training state and calls no collective except one barrier per
-save and per load, on the engine's process group.
+from the store. It owns no training state and calls no collective except one all-reduce
+and one barrier per save and one barrier per load, on the engine's process group, through
+:mod:`zerostate.collectives`.
 
 [Note: async save]
 ``save(..., blocking=False)`` splits a save in two. On the caller's thread it copies this
@@ -12,13 +13,17 @@ copied on a side CUDA stream, when the state lives on a GPU) and returns a
 :class:`SaveHandle`. A single background thread then writes the chunks, waits for the
 commit (coordinated through storage, see the store's commit protocol) and applies
 retention. At most one save is in flight: a new save, a load, ``handle.wait()`` and
-interpreter exit all wait for it first and re-raise its error, so a failed background save
-is never silent.
+``engine.close()`` wait for it first and re-raise its error. A checkpointer that is
+garbage-collected or still open at interpreter exit waits for its save in a finaliser and
+prints a failure on stderr (it cannot raise there, and it must not end a process that
+other code is still running in), so a failed background save is never silent.
+
+On a GPU the deferred copy runs on a side stream created on the state's device, inside the
+background thread (a fresh thread's current device is 0, which is not every local rank's).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -26,14 +31,15 @@ import secrets
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from zerostate import collectives
 from zerostate.errors import CheckpointError, ConfigError, ZerostateError
 from zerostate.partition import TensorLayout
 from zerostate.store import (
@@ -49,6 +55,36 @@ log = logging.getLogger(__name__)
 
 #: Default seconds a rank waits for the others while committing a step.
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
+
+
+class _Inflight:
+    """The save in flight, shared with the finaliser (which must not hold the
+    checkpointer, or the checkpointer could never be collected)."""
+
+    __slots__ = ("handle", "executor")
+
+    def __init__(self) -> None:
+        self.handle: SaveHandle | None = None
+        self.executor: ThreadPoolExecutor | None = None
+
+
+def _report_unfinished(state: _Inflight) -> None:
+    """Finaliser: let an unfinished async save finish and report its failure on stderr."""
+    handle, state.handle = state.handle, None
+    try:
+        if handle is not None:
+            handle.wait()
+    except BaseException as exc:  # noqa: BLE001 - a finaliser can only report
+        print(
+            f"zerostate: background checkpoint save of step {handle.step} to {handle.path} "
+            f"failed: {exc!r}; call engine.close() to get this as an exception",
+            file=sys.stderr,
+        )
+        sys.stderr.flush()
+    finally:
+        if state.executor is not None:
+            state.executor.shutdown(wait=False)
+            state.executor = None
 
 
 class SaveHandle:
@@ -102,8 +138,7 @@ class Checkpointer:
             env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
             timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
         self.timeout_s = timeout_s
-        self._executor: ThreadPoolExecutor | None = None
-        self._inflight: SaveHandle | None = None
+        self._state = _Inflight()
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._snapshot_ready = threading.Event()
@@ -111,7 +146,8 @@ class Checkpointer:
         self._checked_roots: set[str] = set()  # see [Note: save target] in adapt.py
         #: Seconds the training thread waited in before_update() for async snapshots.
         self.stall_s = 0.0
-        atexit.register(self._wait_at_exit)
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _report_unfinished, self._state)
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -123,8 +159,7 @@ class Checkpointer:
         return self.engine.world_size
 
     def _barrier(self) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(group=self.engine.group)
+        collectives.barrier(group=self.engine.group)
 
     def _rng_pieces(self) -> list[_Piece]:
         # Every rank lists every rank's RNG tensor (the spec list must be identical on all
@@ -195,20 +230,24 @@ class Checkpointer:
         if not deferred:
             return shards, None
         event = None
-        if any(src.is_cuda for _, src in deferred):
+        device = next((src.device for _, src in deferred if src.is_cuda), None)
+        if device is not None:
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream())
+            event.record(torch.cuda.current_stream(device))
         self._snapshot_ready.clear()
 
         def copy() -> None:
             try:
                 if event is not None:
-                    stream = torch.cuda.Stream()
-                    stream.wait_event(event)  # copies see the state as of save()
-                    with torch.cuda.stream(stream):
-                        for buf, src in deferred:
-                            buf.copy_(src, non_blocking=True)
-                    stream.synchronize()
+                    # On this thread the current device is 0; the stream must live on the
+                    # state's device or the copy is not ordered after the recorded event.
+                    with torch.cuda.device(device):
+                        stream = torch.cuda.Stream(device=device)
+                        stream.wait_event(event)  # copies see the state as of save()
+                        with torch.cuda.stream(stream):
+                            for buf, src in deferred:
+                                buf.copy_(src, non_blocking=True)
+                        stream.synchronize()
                 else:
                     for buf, src in deferred:
                         buf.copy_(src)
@@ -238,6 +277,7 @@ class Checkpointer:
         progress: Callable[[int], None] | None = None,
     ) -> SaveHandle:
         start = time.perf_counter()
+        self._check_open()
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
         step = int(self.engine.optimizer_steps if step is None else step)
@@ -264,8 +304,8 @@ class Checkpointer:
             dtype=torch.int64,
             device=self.engine.device,
         )
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(token, group=self.engine.group)
+        if collectives.is_initialized():
+            collectives.all_reduce(token, group=self.engine.group, stats=None)
         already, save_id = (int(v) for v in token.tolist())
         if already == 2:
             raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
@@ -303,12 +343,12 @@ class Checkpointer:
             self._barrier()
             handle = SaveHandle(step, path, None, time.perf_counter() - start)
             return handle
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
-        future = self._executor.submit(finish)
+        if self._state.executor is None:
+            self._state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
+        future = self._state.executor.submit(finish)
         handle = SaveHandle(step, path, future, time.perf_counter() - start)
         with self._lock:
-            self._inflight = handle
+            self._state.handle = handle
         return handle
 
     def _check_root(self, path: str, storage_options: dict | None) -> str | None:
@@ -332,9 +372,7 @@ class Checkpointer:
         return refusal
 
     @staticmethod
-    def _retain(
-        path: str, step: int, keep_last: int | None, storage_options: dict | None
-    ) -> None:
+    def _retain(path: str, step: int, keep_last: int | None, storage_options: dict | None) -> None:
         # Partial steps older than the one just committed belong to crashed saves.
         try:
             prune_steps(
@@ -345,17 +383,29 @@ class Checkpointer:
 
     def wait(self) -> None:
         with self._lock:
-            handle, self._inflight = self._inflight, None
+            handle, self._state.handle = self._state.handle, None
         if handle is not None:
             handle.wait()
 
-    def _wait_at_exit(self) -> None:
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(
+                "the engine was closed; save() and load() need an open engine (close() "
+                "is for the end of training)"
+            )
+
+    def close(self) -> None:
+        """Wait for the in-flight save, re-raise its error, stop the thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait()
-        except BaseException as exc:
-            print(f"zerostate: background checkpoint save failed: {exc}", file=sys.stderr)
-            sys.stderr.flush()
-            os._exit(1)
+        finally:
+            if self._state.executor is not None:
+                self._state.executor.shutdown(wait=True)
+                self._state.executor = None
+            self._finalizer.detach()
 
     # -------------------------------------------------------------------- load
     def load(
@@ -366,6 +416,7 @@ class Checkpointer:
         storage_options: dict | None = None,
         strict: bool = True,
     ) -> Any:
+        self._check_open()
         self.wait()
         self.before_update()
         ckpt = open_checkpoint(path, storage_options=storage_options)

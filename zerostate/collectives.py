@@ -1,4 +1,8 @@
-"""Every ``torch.distributed`` call the engine makes, as free functions returning handles.
+"""Every ``torch.distributed`` call the package makes, as free functions returning handles.
+
+Nothing else in ``zerostate`` imports ``torch.distributed`` (a test scans the sources).
+The collective *patterns* built on these calls (pack, launch, cap in-flight work,
+accumulate, unpack, release) live once in :mod:`zerostate.comm`.
 
 [Note: comm accounting]
 Volumes follow the ZeRO paper: an all-reduce of ``X`` elements moves ``2X`` (it is a
@@ -21,10 +25,18 @@ from zerostate.errors import ConfigError, DistributedMismatchError
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
-# torch >= 2.10 names the single-tensor collectives *_single; older releases only have the
-# *_tensor spellings (same semantics).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    # torch >= 2.10 names the single-tensor collectives *_single; older releases only have
+    # the *_tensor spellings (same semantics). Looked up per call so that a wrapper
+    # installed on torch.distributed (an independent traffic count, say) sees every call.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
 
 
 @dataclass
@@ -106,7 +118,8 @@ def all_reduce(
     return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
 
 
-def reduce_scatter(
+def _segmented(
+    kind: str,
     output: torch.Tensor,
     input: torch.Tensor,
     *,
@@ -114,24 +127,33 @@ def reduce_scatter(
     stats: CommStats | None,
     async_op: bool = False,
 ) -> Handle:
-    """Sum ``input`` (``world_size`` equal segments) across ranks; rank r gets segment r."""
-    _count(stats, "reduce_scatter", input.numel(), input)
-    return Handle(
-        _reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    )
+    # The full (unsharded) tensor is the input of a reduce-scatter, the output of an
+    # all-gather: that is what [Note: comm accounting] counts.
+    if kind == "reduce_scatter":
+        _count(stats, kind, input.numel(), input)
+        work = _reduce_scatter_single(
+            output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        )
+    else:
+        _count(stats, kind, output.numel(), output)
+        work = _all_gather_single(output, input, group=group, async_op=async_op)
+    return Handle(work)
 
 
-def all_gather(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    group: Any,
-    stats: CommStats | None,
-    async_op: bool = False,
-) -> Handle:
-    """Concatenate every rank's ``input`` into ``output`` (``world_size`` segments)."""
-    _count(stats, "all_gather", output.numel(), output)
-    return Handle(_all_gather_single(output, input, group=group, async_op=async_op))
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, **options: Any) -> Handle:
+    """Sum ``input`` (``world_size`` equal segments) across ranks; rank r gets segment r.
+
+    ``options``: ``group``, ``stats`` (both required) and ``async_op``.
+    """
+    return _segmented("reduce_scatter", output, input, **options)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, **options: Any) -> Handle:
+    """Concatenate every rank's ``input`` into ``output`` (``world_size`` segments).
+
+    ``options``: ``group``, ``stats`` (both required) and ``async_op``.
+    """
+    return _segmented("all_gather", output, input, **options)
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:
@@ -143,6 +165,17 @@ def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:
     works = [dist.broadcast(t, src=src, group=group, async_op=True) for t in tensors]
     for work in works:
         work.wait()
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists (checkpoint tools also run without one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier(*, group: Any) -> None:
+    """Block until every rank of ``group`` arrives; a no-op without a process group."""
+    if is_initialized():
+        dist.barrier(group=group)
 
 
 def _digest(obj: Any) -> int:

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from zerostate.errors import ConfigError
-from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
 
 #: Working (parameter / gradient / communication) dtype for each precision setting.
 PRECISIONS: dict[str, torch.dtype] = {
@@ -61,8 +60,14 @@ class EngineConfig:
     """Micro-steps (backward calls) per optimizer step."""
     group: Any = None
     """torch.distributed process group of the data-parallel ranks; None is the default group."""
-    min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL
-    """Smallest piece a parameter is cut into (see zerostate.partition)."""
+    reduce_dtype: str | None = None
+    """Dtype gradients are summed across ranks in: fp32, bf16 or fp16. None (default) is
+    fp32 whatever ``precision`` is, as FSDP2's and DeepSpeed's fp32 reduction. Gradient
+    shards accumulate over micro-steps in fp32 either way (see docs/engine.md,
+    "Precision", for the memory this costs)."""
+    min_shard_numel: int | None = None
+    """Accepted for compatibility and ignored (with a warning): every parameter is split
+    evenly over the ranks, so collectives carry the paper's volume at any model size."""
     no_decay: Callable[[str, nn.Parameter], bool] | None = None
     """``no_decay(name, param)`` is True for parameters without weight decay. Default:
     parameters with fewer than 2 dimensions (biases, norm weights)."""
@@ -126,8 +131,22 @@ class EngineConfig:
             raise ConfigError(f"grad_clip={self.grad_clip!r} must be > 0, or None to disable")
         if not _is_int(self.grad_accum_steps) or self.grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
-        if not _is_int(self.min_shard_numel) or self.min_shard_numel < 1:
-            raise ConfigError(f"min_shard_numel={self.min_shard_numel!r} must be an integer >= 1")
+        if self.reduce_dtype is not None and self.reduce_dtype not in PRECISIONS:
+            raise ConfigError(
+                f"reduce_dtype={self.reduce_dtype!r} is unknown; use one of "
+                f"{sorted(PRECISIONS)}, or None for fp32"
+            )
+        if self.min_shard_numel is not None:
+            if not _is_int(self.min_shard_numel) or self.min_shard_numel < 1:
+                raise ConfigError(
+                    f"min_shard_numel={self.min_shard_numel!r} must be an integer >= 1; it "
+                    "has no effect any more, so simply remove it"
+                )
+            warnings.warn(
+                "min_shard_numel has no effect: every parameter is split evenly over the "
+                "ranks; remove the setting",
+                stacklevel=3,
+            )
         for name in ("no_decay", "init_fn", "unit_policy"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -164,6 +183,10 @@ class EngineConfig:
     def working_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
 
+    @property
+    def reduce_torch_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.reduce_dtype or "fp32"]
+
     def summary(self) -> dict:
         """JSON-able settings that must agree across ranks (no callables, no group)."""
         return {
@@ -176,7 +199,7 @@ class EngineConfig:
             "bucket_mb": self.bucket_mb,
             "grad_clip": self.grad_clip,
             "grad_accum_steps": self.grad_accum_steps,
-            "min_shard_numel": self.min_shard_numel,
+            "reduce_dtype": self.reduce_dtype or "fp32",
             "initial_loss_scale": self.initial_loss_scale,
             "loss_scale_window": self.loss_scale_window,
             "min_loss_scale": self.min_loss_scale,

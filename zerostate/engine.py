@@ -1,19 +1,21 @@
 """The training engine: sequences forward, backward, the partitioned step and state access.
 
-State lives elsewhere (``ShardedParam`` per parameter, ``GradReducer`` buckets for stages
-0-2, ``Stage3Runtime`` units for stage 3); this module only orchestrates.
+State lives elsewhere (``ShardedParam`` per parameter; the stage's
+:class:`~zerostate.strategies.Strategy`, which owns buckets or stage-3 units and does all
+communication through :mod:`zerostate.comm`); this module only orchestrates and never
+looks at the stage beyond choosing the strategy.
 
 One optimizer step (``K = grad_accum_steps``):
 
-1. ``engine(*args)`` runs the module (stage 3 gathers the root unit first).
+1. ``engine(*args)`` runs the module between the strategy's forward hooks.
 2. ``engine.backward(loss)``, K times: the (fp16: scaled) loss is back-propagated; gradient
-   hooks launch the bucket / unit collectives while backward runs; what is left is flushed.
-3. ``engine.step()``: on the K-th call, each rank's gradient shard is cast to fp32 and
+   hooks hand each gradient to the strategy, which accumulates it and launches bucket /
+   unit collectives while backward runs; what is left is flushed.
+3. ``engine.step()``: on the K-th call, each rank's gradient (shard) is taken in fp32 and
    divided by ``world_size * K * loss_scale`` (the mean over the global batch); one
    all-reduce of the squared norm (when clipping or fp16) gives the global norm and the
-   overflow verdict on every rank; AdamW updates the fp32 master shards; the working
-   parameters are refreshed (stage 0: cast; 1/2: all-gather; 3: cast into the local
-   shard); gradients are zeroed.
+   overflow verdict on every rank; the optimizer updates the fp32 master shards; the
+   strategy refreshes the working parameters; gradients are zeroed.
 """
 
 from __future__ import annotations
@@ -21,22 +23,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from zerostate import adapt, collectives
-from zerostate.buckets import GradReducer, all_gather_shards
 from zerostate.collectives import CommStats
+from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig
 from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import PartitionedAdamW, ShardGroup, sum_of_squares
-from zerostate.partition import TensorLayout, plan_layouts
+from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
-from zerostate.sharded import BufferPool, ShardedParam, ShardView
-from zerostate.stage3 import Stage3Runtime, materialise
+from zerostate.sharded import ShardedParam, ShardView
+from zerostate.strategies import make_strategy
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -134,6 +137,15 @@ class Engine:
         self.dtype = config.working_dtype
         self._stats = CommStats()
         self._pool = BufferPool(device)
+        self._ctx = CommContext(
+            group=group,
+            rank=self.rank,
+            world_size=self.world_size,
+            param_dtype=self.dtype,
+            reduce_dtype=config.reduce_torch_dtype,
+            stats=self._stats,
+            pool=self._pool,
+        )
         self._scaler = LossScaler(
             enabled=config.precision == "fp16",
             initial_scale=config.initial_loss_scale,
@@ -146,59 +158,27 @@ class Engine:
 
         # Names without torch.compile's "_orig_mod." (see [Note: canonical names]).
         named, self.tied = adapt.named_parameters(model)
-        layouts = plan_layouts(
-            [p.numel() for _, p in named], self.world_size, config.min_shard_numel
-        )
         no_decay = config.no_decay or (lambda name, p: p.ndim < 2)
+        # [Note: partition rule]: every parameter is split evenly over the ranks.
         self._params = [
-            ShardedParam(n, p, layout, self.rank, bool(no_decay(n, p)))
-            for (n, p), layout in zip(named, layouts, strict=True)
+            ShardedParam(
+                n, p, even_layout(p.numel(), self.world_size), self.rank, bool(no_decay(n, p))
+            )
+            for n, p in named
         ]
-        self._trainable = [sp for sp in self._params if sp.trainable]
         self._init_buffers()
         if config.sync_module_states and not any(p.is_meta for _, p in named):
             with torch.no_grad():
                 states = [p.data for _, p in named] + [b for _, b in adapt.replicated_state(model)]
                 collectives.broadcast_from_first([t for t in states if t.numel()], group=group)
 
-        self._s3: Stage3Runtime | None = None
-        self._reducer: GradReducer | None = None
+        self._strategy = make_strategy(
+            self.stage, self._ctx, self._params, bucket_numel=self._bucket_numel, config=config
+        )
+        self._strategy.setup(model, config)
+        self._trainable = self._strategy.trainable
         # Names whose values no initialiser wrote (see [Note: unset state], stage3.py).
-        self._unset: set[str] = set()
-        if self.stage == 3:
-            self._unset = set(materialise(
-                model,
-                self._params,
-                dtype=self.dtype,
-                device=device,
-                init_fn=config.init_fn,
-                seed=config.init_seed,
-            ))
-            self._s3 = Stage3Runtime(
-                model,
-                self._params,
-                world_size=self.world_size,
-                rank=self.rank,
-                dtype=self.dtype,
-                group=group,
-                stats=self._stats,
-                pool=self._pool,
-                policy=config.unit_policy,
-                prefetch=config.prefetch,
-            )
-        else:
-            self._init_replicated_params()
-            self._reducer = GradReducer(
-                self._trainable,
-                stage=self.stage,
-                world_size=self.world_size,
-                rank=self.rank,
-                dtype=self.dtype,
-                bucket_numel=self._bucket_numel,
-                group=group,
-                stats=self._stats,
-                pool=self._pool,
-            )
+        self._unset: set[str] = set(self._strategy.unset)
         self._optimizer = self._build_optimizer()
         for sp in self._trainable:
             sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp))
@@ -216,26 +196,16 @@ class Engine:
         return torch.device("cpu")
 
     def _init_buffers(self) -> None:
-        # Buffers are replicated; they only need a plan so the store can chunk them.
+        # Buffers are replicated; rank 0 checkpoints each one whole.
         for module in self.module.modules():
             for n, b in module._buffers.items():
                 if b is not None and not b.is_meta and not b.is_contiguous():
                     module._buffers[n] = b.contiguous()
         state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
         self._buffer_names = [n for n, _ in state]
-        numels = [b.numel() for _, b in state]
-        self._buffer_layouts = plan_layouts(numels, self.world_size, self.config.min_shard_numel)
-
-    def _init_replicated_params(self) -> None:
-        for sp in self._params:
-            p = sp.param
-            original = p.data.contiguous()
-            lo, hi = (0, sp.numel) if self.stage == 0 else (sp.start, sp.stop)
-            p.data = original.to(self.dtype)
-            if self.dtype == torch.float32:
-                sp.master, sp.master_aliased = p.data.view(-1)[lo:hi], True
-            else:
-                sp.master = original.view(-1)[lo:hi].to(torch.float32).clone()
+        self._buffer_layouts = [
+            TensorLayout(b.numel(), self.world_size, max(1, b.numel()), 0) for _, b in state
+        ]
 
     def _build_optimizer(self) -> PartitionedAdamW:
         groups = []
@@ -265,22 +235,18 @@ class Engine:
         return PartitionedAdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps)
 
     def _make_grad_hook(self, sp: ShardedParam):
-        if self._s3 is not None:
-            s3 = self._s3
-            return lambda param: s3.on_grad_ready(param, sp)
-        return self._reducer.on_grad_ready
+        strategy = self._strategy
+        return lambda param: strategy.on_grad_ready(sp)
 
     # -- training ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._unset:
             self._refuse_unset()
-        if self._s3 is not None:
-            self._s3.pre_forward_root()
+        self._strategy.pre_forward()
         cast = self.dtype if self.config.cast_forward_inputs else None
         args, kwargs = adapt.cast_inputs(args, kwargs, cast)
         out = self.module(*args, **kwargs)
-        if self._s3 is not None:
-            self._s3.post_forward_root()
+        self._strategy.post_forward()
         return out
 
     forward = __call__
@@ -310,18 +276,11 @@ class Engine:
                 f"backward() called {self._micro_step + 1} times without step(); call "
                 f"step() after every backward() (it steps every grad_accum_steps={accum})"
             )
-        boundary = self._micro_step + 1 == accum
-        if self._s3 is not None:
-            self._s3.prepare()
-        else:
-            self._reducer.prepare(sync=boundary or self.stage == 2)
+        self._strategy.prepare(boundary=self._micro_step + 1 == accum)
         if self._scaler.enabled:
             loss = loss.float() * self._scaler.scale
         loss.backward()
-        if self._s3 is not None:
-            self._s3.finish()
-        else:
-            self._reducer.finish()
+        self._strategy.finish_backward()
         self._micro_step += 1
 
     def step(self) -> bool:
@@ -332,18 +291,13 @@ class Engine:
             )
         if self._micro_step < self.config.grad_accum_steps:
             return False
-        if self._s3 is not None:
-            grads = self._s3.step_grads(self._trainable)
-        else:
-            grads = self._reducer.step_grads(self._trainable)
-        grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        grads = [g if g.dtype == torch.float32 else g.float() for g in self._strategy.step_grads()]
         divisor = self.world_size * self.config.grad_accum_steps * self._scaler.scale
         torch._foreach_mul_(grads, 1.0 / divisor)
         overflow = False
         if self._scaler.enabled or self.config.grad_clip is not None:
             squares = sum_of_squares(grads)
-            if self.stage > 0:  # stage 0 gradients are already the full, identical sum
-                collectives.all_reduce(squares, group=self.group, stats=self._stats)
+            self._strategy.reduce_squares(squares)
             norm = squares.sqrt()
             self.last_grad_norm = float(norm)
             overflow = self._scaler.enabled and not math.isfinite(self.last_grad_norm)
@@ -354,33 +308,12 @@ class Engine:
             if self._checkpointer is not None:
                 self._checkpointer.before_update()  # an async save may still be reading
             self._optimizer.step(grads)
-            self._refresh_trainable()
+            self._strategy.refresh()
         self._scaler.update(overflow)
-        self._zero_grads()
+        self._strategy.zero()
         self._micro_step = 0
         self._stats.end_step()
         return not overflow
-
-    def _refresh_trainable(self) -> None:
-        if self._s3 is not None:
-            pairs = [(sp.local, sp.master) for sp in self._trainable if not sp.master_aliased]
-        elif self.stage == 0:
-            pairs = [
-                (sp.param.data.view(-1), sp.master)
-                for sp in self._trainable
-                if not sp.master_aliased
-            ]
-        else:
-            self._reducer.gather_params()
-            return
-        if pairs:
-            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
-
-    def _zero_grads(self) -> None:
-        if self._s3 is not None:
-            self._s3.zero()
-        else:
-            self._reducer.zero()
 
     @property
     def loss_scale(self) -> float:
@@ -399,7 +332,7 @@ class Engine:
         """Every logical tensor's live local state; see the checkpoint contract."""
         views: list[ShardView] = []
         for sp in self._params:
-            start = 0 if self.stage == 0 else sp.start
+            start = sp.master_start
             kinds = [("model", sp.master)]
             if sp.trainable:
                 kinds += [("optim/exp_avg", sp.exp_avg), ("optim/exp_avg_sq", sp.exp_avg_sq)]
@@ -452,29 +385,7 @@ class Engine:
 
     def refresh_from_masters(self) -> None:
         """Rebuild working parameters from the masters (after they were overwritten)."""
-        if self._s3 is not None:
-            self._s3.release_all()
-            pairs = [(sp.local, sp.master) for sp in self._params if not sp.master_aliased]
-        elif self.stage == 0:
-            pairs = [
-                (sp.param.data.view(-1), sp.master) for sp in self._params if not sp.master_aliased
-            ]
-        else:
-            all_gather_shards(
-                self._params,
-                [sp.master for sp in self._params],
-                [sp.param.data.view(-1) for sp in self._params],
-                world_size=self.world_size,
-                rank=self.rank,
-                dtype=self.dtype,
-                bucket_numel=self._bucket_numel,
-                group=self.group,
-                stats=None,
-                pool=self._pool,
-            )
-            return
-        if pairs:
-            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+        self._strategy.refresh(self._params)
 
     # ------------------------------------------------------------- checkpoints
     def _ckpt(self) -> Any:
@@ -524,9 +435,7 @@ class Engine:
         """Collective: load step ``step`` (latest committed when None) written at ANY world
         size and stage; each rank reads only the ranges it holds. Returns ``client_state``.
         ``strict=False`` leaves state the checkpoint lacks as it is (new parameters, say)."""
-        state = self._ckpt().load(
-            path, step=step, storage_options=storage_options, strict=strict
-        )
+        state = self._ckpt().load(path, step=step, storage_options=storage_options, strict=strict)
         self._unset.clear()  # a checkpoint holds every parameter and buffer (or strict=False)
         return state
 
@@ -546,28 +455,35 @@ class Engine:
         """
         return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
 
+    def close(self) -> None:
+        """Wait for an in-flight async save and re-raise its error; idempotent.
+
+        Call it (or use ``with Engine(...) as engine:``) before the process ends so a
+        background save that fails is reported as an exception, not lost.
+        """
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as save_error:  # the body's exception is the one to propagate
+            note = f"zerostate: an async checkpoint save also failed: {save_error!r}"
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(note)
+            else:
+                warnings.warn(note, stacklevel=2)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters (canonical names) and buffers; collective."""
-        if self.stage == 0:
-            out = {sp.name: sp.master.view(sp.shape).clone() for sp in self._params}
-        else:
-            full = [
-                torch.empty(sp.numel, dtype=torch.float32, device=self.device)
-                for sp in self._params
-            ]
-            all_gather_shards(
-                self._params,
-                [sp.master for sp in self._params],
-                full,
-                world_size=self.world_size,
-                rank=self.rank,
-                dtype=torch.float32,
-                bucket_numel=self._bucket_numel,
-                group=self.group,
-                stats=None,
-                pool=self._pool,
-            )
-            out = {sp.name: t.view(sp.shape) for sp, t in zip(self._params, full, strict=True)}
+        full = self._strategy.full_masters(self._params)
+        out = {sp.name: t.view(sp.shape) for sp, t in zip(self._params, full, strict=True)}
         for name, buf in self._named_buffers():
             out[name] = buf.detach().clone()
         return out
@@ -578,25 +494,20 @@ class Engine:
         ``model_states`` (params + grads + master + optim_states) is the quantity of the
         ZeRO paper; ``buffers_in_flight`` (pooled communication buffers and, at stage 3,
         gathered parameters) is reported beside it; ``total`` is their sum. Storage shared
-        by the master and the working copy (fp32) is counted once, as params.
+        by the master and the working copy (fp32) is counted once, as params. ``grads``
+        counts what the reduce precision costs (docs/engine.md, "Precision"): fp32
+        gradient shards at stages 1-3, and at stages 0-1 an fp32 flat accumulation buffer
+        of the full gradients when ``reduce_dtype`` is wider than the working dtype.
         """
 
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        if self._s3 is not None:
-            params = sum(nbytes(sp.local) for sp in self._params)
-            grads = self._s3.grad_bytes()
-            in_flight = self._s3.gathered_bytes()
-        else:
-            params = sum(nbytes(sp.param.data) for sp in self._params)
-            grads = self._reducer.buffer_bytes()
-            in_flight = 0
-        if self.stage != 0:
-            grads += sum(nbytes(sp.param.grad) for sp in self._trainable)
+        held = self._strategy.bytes_held()
+        params, grads = held["params"], held["grads"]
         master = sum(nbytes(sp.master) for sp in self._params if not sp.master_aliased)
         optim = sum(nbytes(sp.exp_avg) + nbytes(sp.exp_avg_sq) for sp in self._trainable)
-        in_flight += self._pool.allocated_bytes
+        in_flight = held["in_flight"] + self._pool.allocated_bytes
         model_states = params + grads + master + optim
         return {
             "params": params,

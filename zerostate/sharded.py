@@ -1,18 +1,22 @@
-"""Per-parameter sharded state, the rank-segmented bucket layout, and reusable buffers.
+"""Per-parameter sharded state and the rank-segmented layout of a group of parameters.
 
 [Note: bucket layout]
-Ownership comes from :func:`zerostate.partition.plan_layouts`, so a parameter's owned
-ranges are uneven in general (a small tensor may live wholly on one rank). A bucket of
-parameters is laid out in ``world_size`` equal segments: segment ``r`` is the
-concatenation, in bucket order, of every parameter's rank-``r`` owned slice, padded to the
-longest segment. Then ``reduce_scatter_tensor`` hands rank ``r`` exactly its slices (summed
-over ranks) and ``all_gather_into_tensor`` of every rank's segment rebuilds the full
-parameters. Padding is at most the difference between the largest and the smallest
-per-rank share of the bucket; it is never read.
+Every parameter is split evenly (:func:`zerostate.partition.even_layout`): parameter ``i``
+of ``numel_i`` elements is padded to ``c_i * world_size`` with ``c_i = ceil(numel_i /
+world_size)``, and rank ``r`` owns ``[r * c_i, (r + 1) * c_i)`` clipped to ``numel_i``.
+A group of parameters (a bucket, a stage-3 unit) is one buffer of ``world_size`` equal
+segments of ``sum(c_i)`` elements: segment ``r`` is the concatenation, in group order, of
+every parameter's rank-``r`` piece padded to ``c_i``. Viewed as a ``[world_size,
+sum(c_i)]`` matrix, parameter ``i`` is the column block ``[:, off_i:off_i + c_i]``, i.e.
+its padded flat storage reshaped to ``[world_size, c_i]``. Then one reduce-scatter hands
+rank ``r`` exactly its pieces (summed over ranks) and one all-gather of every rank's
+segment rebuilds the full parameters. Padding is at most ``world_size - 1`` elements per
+parameter; it is zero on the way in and never read on the way out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +40,7 @@ class ShardView:
 class ShardedParam:
     """One parameter's state on this rank.
 
-    ``master`` (fp32) covers ``[local_start, local_start + master.numel())`` of the flat
+    ``master`` (fp32) covers ``[master_start, master_start + master.numel())`` of the flat
     parameter: the owned range for stages >= 1, the whole tensor at stage 0. When the
     working dtype is fp32 it is a view of the working storage (param or stage-3 shard), not
     a copy. ``local`` is the stage-3 working-dtype shard of the owned range.
@@ -45,7 +49,7 @@ class ShardedParam:
     __slots__ = (
         "name", "param", "shape", "numel", "layout", "start", "stop", "trainable",
         "no_decay", "master", "master_aliased", "exp_avg", "exp_avg_sq", "local",
-        "grad_shard", "unit",
+        "grad_shard", "unit", "master_start",
     )  # fmt: skip
 
     def __init__(
@@ -66,75 +70,93 @@ class ShardedParam:
         self.local: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.unit = None  # stage 3: the gathering unit this parameter belongs to
+        self.master_start = self.start  # the stage-0 strategy sets 0 (full masters)
 
     @property
     def owned_numel(self) -> int:
         return self.stop - self.start
 
 
-class ShardBucket:
-    """Layout of a group of parameters in one padded, rank-segmented buffer.
+class FlatLayout:
+    """Layout of a group of evenly split parameters in one rank-segmented buffer.
 
     Follows [Note: bucket layout]. Holds no tensors: buffers come from a
-    :class:`BufferPool` (or are owned by the caller) and are passed in.
+    :class:`~zerostate.comm.BufferPool` (or are owned by the caller) and are passed in.
     """
 
-    def __init__(self, params: list[ShardedParam], world_size: int, rank: int) -> None:
-        self.params = params
+    def __init__(self, params: Sequence[ShardedParam], world_size: int, rank: int) -> None:
+        self.params = list(params)
         self.world_size = world_size
         self.rank = rank
-        per_rank = [[p.layout.owned_numel(r) for p in params] for r in range(world_size)]
-        self.seg_numel = max(1, max(sum(sizes) for sizes in per_rank))
+        self.chunks = [_even_chunk(p, world_size) for p in self.params]
+        self.offsets: list[int] = []
+        offset = 0
+        for c in self.chunks:
+            self.offsets.append(offset)
+            offset += c
+        self.seg_numel = max(1, offset)
         self.numel = self.seg_numel * world_size
-        # pieces[j]: (lo, hi, offset in the full buffer) of each owned chunk of param j.
-        self.pieces: list[list[tuple[int, int, int]]] = [[] for _ in params]
-        self.my_offsets: list[int] = [0] * len(params)
-        for r in range(world_size):
-            offset = r * self.seg_numel
-            for j, p in enumerate(params):
-                lo, hi = p.layout.owned_range(r)
-                if r == rank:
-                    self.my_offsets[j] = offset - r * self.seg_numel
-                if hi > lo:
-                    self.pieces[j].append((lo, hi, offset))
-                    offset += hi - lo
 
-    def segment(self, buffer: torch.Tensor, rank: int | None = None) -> torch.Tensor:
-        r = self.rank if rank is None else rank
-        return buffer[r * self.seg_numel : (r + 1) * self.seg_numel]
+    def segment(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.rank * self.seg_numel : (self.rank + 1) * self.seg_numel]
 
     def shard_views(self, segment: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's slice of every parameter inside ``segment`` (a segment-sized tensor)."""
+        """This rank's owned slice of every parameter inside a segment-sized tensor."""
         return [
-            segment[off : off + p.owned_numel]
-            for off, p in zip(self.my_offsets, self.params, strict=True)
+            segment[off : off + p.stop - p.start]
+            for off, p in zip(self.offsets, self.params, strict=True)
         ]
 
-    def pack(self, buffer: torch.Tensor, sources: list[torch.Tensor | None]) -> None:
-        """Copy full flat tensors into the buffer's segments; ``None`` stands for zeros."""
+    def _blocks(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        matrix = buffer[: self.numel].view(self.world_size, self.seg_numel)
+        return [matrix[:, off : off + c] for off, c in zip(self.offsets, self.chunks, strict=True)]
+
+    def pack(self, buffer: torch.Tensor, sources: Sequence[torch.Tensor | None]) -> None:
+        """Copy full flat tensors into the buffer (casting); ``None`` stands for zeros."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
-        for pieces, source in zip(self.pieces, sources, strict=True):
-            for lo, hi, off in pieces:
-                view = buffer[off : off + hi - lo]
-                if source is None:
-                    view.zero_()
-                else:
-                    dst.append(view)
-                    src.append(source[lo:hi])
+        for block, source, c, p in zip(
+            self._blocks(buffer), sources, self.chunks, self.params, strict=True
+        ):
+            if source is None:
+                block.zero_()
+                continue
+            rows, rest = divmod(p.numel, c)
+            if rows:
+                dst.append(block[:rows])
+                src.append(source[: rows * c].view(rows, c))
+            if rows < self.world_size:  # padding: zeros, so sums over ranks stay finite
+                block[rows:].zero_()
+                if rest:
+                    dst.append(block[rows, :rest])
+                    src.append(source[rows * c :])
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def unpack(self, buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
-        """Copy the buffer's segments into full flat tensors (casting to their dtype)."""
+    def unpack(self, buffer: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+        """Copy the buffer into full flat tensors (casting to their dtype)."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
-        for pieces, target in zip(self.pieces, targets, strict=True):
-            for lo, hi, off in pieces:
-                dst.append(target[lo:hi])
-                src.append(buffer[off : off + hi - lo])
+        for block, target, c, p in zip(
+            self._blocks(buffer), targets, self.chunks, self.params, strict=True
+        ):
+            rows, rest = divmod(p.numel, c)
+            if rows:
+                dst.append(target[: rows * c].view(rows, c))
+                src.append(block[:rows])
+            if rest:
+                dst.append(target[rows * c :])
+                src.append(block[rows, :rest])
         if dst:
             torch._foreach_copy_(dst, src)
+
+
+def _even_chunk(p: ShardedParam, world_size: int) -> int:
+    layout = p.layout
+    # Internal invariant: the engine plans every parameter with partition.even_layout.
+    assert layout.first_owner == 0 and layout.world_size == world_size, p.name
+    assert layout.chunk_numel * world_size >= p.numel, p.name
+    return layout.chunk_numel
 
 
 def split_into_buckets(params: list[ShardedParam], bucket_numel: int) -> list[list[ShardedParam]]:
@@ -152,32 +174,3 @@ def split_into_buckets(params: list[ShardedParam], bucket_numel: int) -> list[li
     if current:
         buckets.append(current)
     return buckets
-
-
-class BufferPool:
-    """Flat communication buffers, reused across buckets and steps.
-
-    ``acquire`` returns the smallest free buffer that fits (or allocates one); ``release``
-    gives it back. Buffers are never freed, so steady-state training allocates nothing.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._free: list[torch.Tensor] = []
-        self._bytes = 0
-
-    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        fits = [i for i, b in enumerate(self._free) if b.dtype == dtype and b.numel() >= numel]
-        if fits:
-            buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
-        else:
-            buffer = torch.empty(numel, dtype=dtype, device=self.device)
-            self._bytes += buffer.numel() * buffer.element_size()
-        return buffer
-
-    def release(self, buffer: torch.Tensor) -> None:
-        self._free.append(buffer)
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self._bytes

@@ -22,8 +22,9 @@ gathered for the whole forward + backward. Lifecycle per iteration:
   storage. During backward (activation-checkpoint recomputation) both hooks only gather;
 * output gradient hook: gather again, prefetch the unit that runs backward next;
 * post-accumulate-grad hooks: once all of a unit's trainable parameters have gradients,
-  pack them, drop the full gradients, reduce-scatter asynchronously into the unit's
-  gradient shard (summed over micro-steps), free the storage;
+  pack them, drop the full gradients, reduce-scatter asynchronously into the unit's fp32
+  gradient shard (summed over micro-steps, [Note: reduce precision] in ``comm.py``), free
+  the storage;
 * after backward: units with some gradients missing are reduced with zeros in their
   place, everything is awaited and every unit (root included) is freed.
 
@@ -52,11 +53,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from zerostate import collectives
-from zerostate.collectives import CommStats, Handle
-from zerostate.sharded import BufferPool, ShardBucket, ShardedParam
-
-MAX_IN_FLIGHT = 2
+from zerostate.comm import (
+    CommContext,
+    InFlight,
+    PendingOp,
+    PooledBuffer,
+    reduce_scatter_grads,
+    start_all_gather,
+)
+from zerostate.sharded import FlatLayout, ShardedParam
+from zerostate.strategies import Strategy, gather_full_masters
 
 
 # -- initialisation ------------------------------------------------------------------------
@@ -231,12 +237,12 @@ class Unit:
         self.name = name
         self.params = sparams
         self.trainable = [p for p in sparams if p.trainable]
-        self.gather_layout = ShardBucket(sparams, world_size, rank)
-        self.grad_layout = ShardBucket(self.trainable, world_size, rank) if self.trainable else None
+        self.gather_layout = FlatLayout(sparams, world_size, rank)
+        self.grad_layout = FlatLayout(self.trainable, world_size, rank) if self.trainable else None
         self.grad_shard: torch.Tensor | None = None
-        self.has_grad = False
+        self.fresh = True  # grad_shard holds nothing since the last zero()
         self.state = UnitState.SHARDED
-        self.gather: tuple[Handle, torch.Tensor] | None = None
+        self.gather: tuple[PendingOp, PooledBuffer] | None = None
         self.num_ready = 0
         self.reduced = False
         self.expects_backward = False
@@ -296,34 +302,35 @@ def build_units(
     return root, units
 
 
-class Stage3Runtime:
-    """Gathers, frees and reduces units; see [Note: stage-3 parameters]."""
+class Stage3Strategy(Strategy):
+    """Stage 3: gathers, frees and reduces units; see [Note: stage-3 parameters]."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        sparams: list[ShardedParam],
-        *,
-        world_size: int,
-        rank: int,
-        dtype: torch.dtype,
-        group: Any,
-        stats: CommStats,
-        pool: BufferPool,
-        policy: Callable[[str, nn.Module], bool] | None,
-        prefetch: bool,
+        self, ctx: CommContext, params: list[ShardedParam], *, bucket_numel: int, config: Any
     ) -> None:
-        self.dtype = dtype
-        self.group = group
-        self.stats = stats
-        self.pool = pool
-        self.prefetch = prefetch
-        self.root, pairs = build_units(model, sparams, policy, world_size, rank)
-        self.units = [self.root] + [u for _, u in pairs]
+        super().__init__(ctx, params, bucket_numel=bucket_numel)
+        self.config = config
+        self.prefetch = config.prefetch
+        self.root: Unit | None = None
+        self.units: list[Unit] = []
         self._order: list[Unit] = []
         self._order_index: dict[int, int] = {}
         self._recording = True
-        self._pending: list[tuple[Handle, Unit, torch.Tensor, torch.Tensor | None]] = []
+        self._inflight = InFlight()
+
+    def setup(self, model: nn.Module, config: Any) -> None:
+        self.unset = materialise(
+            model,
+            self.params,
+            dtype=self.ctx.param_dtype,
+            device=self.ctx.device,
+            init_fn=config.init_fn,
+            seed=config.init_seed,
+        )
+        self.root, pairs = build_units(
+            model, self.params, config.unit_policy, self.ctx.world_size, self.ctx.rank
+        )
+        self.units = [self.root] + [u for _, u in pairs]
         for module, unit in pairs:
             module.register_forward_pre_hook(self._make_pre_forward(unit))
             module.register_forward_hook(self._make_post_forward(unit))
@@ -334,14 +341,13 @@ class Stage3Runtime:
             if unit.state is UnitState.SHARDED:
                 unit.state = UnitState.GATHERED
             return
-        layout = unit.gather_layout
-        buffer = self.pool.acquire(layout.numel, self.dtype)
-        segment = layout.segment(buffer[: layout.numel])
-        torch._foreach_copy_(layout.shard_views(segment), [p.local for p in unit.params])
-        handle = collectives.all_gather(
-            buffer[: layout.numel], segment, group=self.group, stats=self.stats, async_op=True
+        unit.gather = start_all_gather(
+            self.ctx,
+            unit.gather_layout,
+            [p.local for p in unit.params],
+            None,
+            dtype=self.ctx.param_dtype,
         )
-        unit.gather = (handle, buffer)
         unit.state = UnitState.GATHERING
 
     def _gather(self, unit: Unit) -> None:
@@ -350,17 +356,17 @@ class Stage3Runtime:
         self._start_gather(unit)
         if unit.gather is None:
             return
-        handle, buffer = unit.gather
+        op, buffer = unit.gather
         unit.gather = None
-        handle.wait()
+        op.complete()
         targets = []
         for p in unit.params:
             data = p.param.data
             data.untyped_storage().resize_(p.numel * data.element_size())
             targets.append(data.view(-1))
         with torch.no_grad():
-            unit.gather_layout.unpack(buffer, targets)
-        self.pool.release(buffer)
+            unit.gather_layout.unpack(buffer.tensor, targets)
+        self.ctx.pool.release(buffer)
         unit.state = UnitState.GATHERED
 
     def _free(self, unit: Unit) -> None:
@@ -419,7 +425,7 @@ class Stage3Runtime:
 
         return hook
 
-    def on_grad_ready(self, param: torch.Tensor, sp: ShardedParam) -> None:
+    def on_grad_ready(self, sp: ShardedParam) -> None:
         unit: Unit = sp.unit
         unit.num_ready += 1
         if unit.num_ready == len(unit.trainable):
@@ -428,61 +434,52 @@ class Stage3Runtime:
                 self._free(unit)
 
     # -- gradients ---------------------------------------------------------------------
-    def _reduce(self, unit: Unit) -> None:
-        while len(self._pending) >= MAX_IN_FLIGHT:
-            self._complete_oldest()
-        unit.reduced = True
-        layout = unit.grad_layout
-        buffer = self.pool.acquire(layout.numel, self.dtype)
-        grads = [p.param.grad for p in unit.trainable]
-        layout.pack(buffer, [None if g is None else g.reshape(-1) for g in grads])
-        for p in unit.trainable:
-            p.param.grad = None
+    def _shard(self, unit: Unit) -> torch.Tensor:
         if unit.grad_shard is None:
-            unit.grad_shard = torch.zeros(layout.seg_numel, dtype=self.dtype, device=buffer.device)
+            layout = unit.grad_layout
+            unit.grad_shard = torch.zeros(
+                layout.seg_numel, dtype=torch.float32, device=self.ctx.device
+            )
             for p, view in zip(unit.trainable, layout.shard_views(unit.grad_shard), strict=True):
                 p.grad_shard = view
-        temp = None
-        out = unit.grad_shard
-        if unit.has_grad:
-            temp = self.pool.acquire(layout.seg_numel, self.dtype)
-            out = temp[: layout.seg_numel]
-        unit.has_grad = True
-        handle = collectives.reduce_scatter(
-            out, buffer[: layout.numel], group=self.group, stats=self.stats, async_op=True
-        )
-        self._pending.append((handle, unit, buffer, temp))
+        return unit.grad_shard
 
-    def _complete_oldest(self) -> None:
-        handle, unit, buffer, temp = self._pending.pop(0)
-        handle.wait()
-        if temp is not None:
-            unit.grad_shard.add_(temp[: unit.grad_shard.numel()])
-            self.pool.release(temp)
-        self.pool.release(buffer)
+    def _reduce(self, unit: Unit) -> None:
+        unit.reduced = True
+        grads = [None if p.param.grad is None else p.param.grad.reshape(-1) for p in unit.trainable]
+        for p in unit.trainable:
+            p.param.grad = None
+        reduce_scatter_grads(
+            self.ctx,
+            self._inflight,
+            unit.grad_layout,
+            grads,
+            self._shard(unit),
+            accumulate=not unit.fresh,
+        )
+        unit.fresh = False
 
     # -- iteration boundaries ----------------------------------------------------------
-    def pre_forward_root(self) -> None:
+    def pre_forward(self) -> None:
         self._gather(self.root)
         if self.prefetch and not self._recording and self._order:
             self._start_gather(self._order[0])
 
-    def post_forward_root(self) -> None:
+    def post_forward(self) -> None:
         if not torch.is_grad_enabled():
             self.release_all()
 
-    def prepare(self) -> None:
+    def prepare(self, *, boundary: bool) -> None:
         for unit in self.units:
             unit.num_ready = 0
             unit.reduced = False
 
-    def finish(self) -> None:
+    def finish_backward(self) -> None:
         """After backward: reduce partial units, wait for everything, free everything."""
         for unit in self.units:
             if unit.trainable and unit.num_ready and not unit.reduced:
                 self._reduce(unit)
-        while self._pending:
-            self._complete_oldest()
+        self._inflight.drain()
         self.release_all()
         self._recording = False
 
@@ -493,32 +490,38 @@ class Stage3Runtime:
             unit.expects_backward = False
             unit.backward_started = False
 
-    def step_grads(self, trainable: list[ShardedParam]) -> list[torch.Tensor]:
+    def step_grads(self) -> list[torch.Tensor]:
         for unit in self.units:
-            if unit.grad_layout is None:
-                continue
-            if unit.grad_shard is None:
-                unit.grad_shard = torch.zeros(
-                    unit.grad_layout.seg_numel, dtype=self.dtype, device=self.pool.device
-                )
-                for p, view in zip(
-                    unit.trainable, unit.grad_layout.shard_views(unit.grad_shard), strict=True
-                ):
-                    p.grad_shard = view
-            elif not unit.has_grad:
-                unit.grad_shard.zero_()
-        return [p.grad_shard for p in trainable]
+            if unit.grad_layout is not None and unit.fresh:
+                self._shard(unit).zero_()
+        return [p.grad_shard for p in self.trainable]
+
+    def refresh(self, params: list[ShardedParam] | None = None) -> None:
+        if params is not None:
+            self.release_all()
+        targets = self.trainable if params is None else params
+        pairs = [(sp.local, sp.master) for sp in targets if not sp.master_aliased]
+        if pairs:
+            torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
 
     def zero(self) -> None:
         for unit in self.units:
-            unit.has_grad = False
+            unit.fresh = True
 
-    def grad_bytes(self) -> int:
-        return sum(
+    def full_masters(self, params: list[ShardedParam]) -> list[torch.Tensor]:
+        return gather_full_masters(self.ctx, params, self.bucket_numel)
+
+    def bytes_held(self) -> dict[str, int]:
+        params = sum(sp.local.numel() * sp.local.element_size() for sp in self.params)
+        grads = sum(
             u.grad_shard.numel() * u.grad_shard.element_size()
             for u in self.units
             if u.grad_shard is not None
         )
-
-    def gathered_bytes(self) -> int:
-        return sum(p.param.untyped_storage().nbytes() for u in self.units for p in u.params)
+        grads += sum(
+            sp.param.grad.numel() * sp.param.grad.element_size()
+            for sp in self.trainable
+            if sp.param.grad is not None
+        )
+        gathered = sum(p.param.untyped_storage().nbytes() for u in self.units for p in u.params)
+        return {"params": params, "grads": grads, "in_flight": gathered}

@@ -100,9 +100,7 @@ def _training_worker(rank: int, world_size: int) -> dict:
     #    on a learnable task, at a learning rate where the loss really falls.
     for stage in (0, 2, 3):
         for precision in ("fp32", "bf16", "fp16"):
-            engine = make_engine(
-                make_model(), stage=stage, precision=precision, min_shard_numel=16, lr=1e-2
-            )
+            engine = make_engine(make_model(), stage=stage, precision=precision, lr=1e-2)
             out[("curve", stage, precision)] = _learnable_curve(engine, rank, world_size)
     # 2. fp16: an inf gradient on one rank skips the step everywhere and halves the scale.
     for stage in (0, 1, 2, 3):
@@ -110,7 +108,6 @@ def _training_worker(rank: int, world_size: int) -> dict:
             make_model(),
             stage=stage,
             precision="fp16",
-            min_shard_numel=16,
             loss_scale_window=2,
             initial_loss_scale=1024.0,
         )
@@ -136,7 +133,7 @@ def _training_worker(rank: int, world_size: int) -> dict:
     for stage in (0, 1, 2, 3):
         model = make_model()
         model.transformer.wpe.weight.requires_grad_(False)
-        engine = make_engine(model, stage=stage, min_shard_numel=16)
+        engine = make_engine(model, stage=stage)
         losses = engine_steps(engine, rank, world_size, 8)
         names = {v.name for v in engine.state_views()}
         out[("frozen", stage)] = (
@@ -149,9 +146,7 @@ def _training_worker(rank: int, world_size: int) -> dict:
     cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     with torch.device("meta"):
         meta_model = GPT2(cfg)
-    engine = zerostate.Engine(
-        meta_model, stage=3, min_shard_numel=16, init_fn=_init, init_seed=7, device="cpu"
-    )
+    engine = zerostate.Engine(meta_model, stage=3, init_fn=_init, init_seed=7, device="cpu")
     cpu_model = GPT2(cfg)
     deterministic_init(cpu_model, _init, seed=7)
     full = engine.full_state_dict()
@@ -300,6 +295,7 @@ def test_group_errors_name_the_fix() -> None:
         ("grad_clip", -1.0),
         ("grad_accum_steps", 0),
         ("min_shard_numel", 0),
+        ("reduce_dtype", "fp8"),
         ("no_decay", 3),
         ("loss_scale_window", 0),
     ],

@@ -7,22 +7,21 @@ from common import CheckpointedGPT2, compare, engine_steps, make_engine, make_mo
 from helpers_dist import run_distributed
 
 from zerostate.models.gpt2 import GPT2
-from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
 
 STEPS = 20
 TOL = 1e-5
 
 # name -> (engine settings, reference settings, model class)
 VARIANTS = {
-    "split1": (dict(min_shard_numel=1), {}, None),
-    "split64_clip": (dict(min_shard_numel=64, grad_clip=0.05), dict(grad_clip=0.05), None),
-    "split64_accum2": (dict(min_shard_numel=64, grad_accum_steps=2), dict(accum=2), None),
-    "default_split": (dict(min_shard_numel=DEFAULT_MIN_SHARD_NUMEL, bucket_mb=0.01), {}, None),
-    "ckpt_stage3_only": (dict(min_shard_numel=16), {}, CheckpointedGPT2),
+    "default": ({}, {}, None),
+    "clip": (dict(grad_clip=0.05), dict(grad_clip=0.05), None),
+    "accum2": (dict(grad_accum_steps=2), dict(accum=2), None),
+    "small_buckets": (dict(bucket_mb=0.01), {}, None),
+    "ckpt_stage3_only": ({}, {}, CheckpointedGPT2),
     # Fine-grained stage-3 units: one per module that owns parameters (the default
     # gathers whole transformer blocks).
     "module_units_stage3_only": (
-        dict(min_shard_numel=16, unit_policy=lambda name, m: len(m._parameters) > 0),
+        dict(unit_policy=lambda name, m: len(m._parameters) > 0),
         {},
         GPT2,
     ),
@@ -58,7 +57,7 @@ def test_fp32_parity_with_torch_adamw(world_size: int) -> None:
         assert rank_results == results[0]  # every rank reports the same gathered state
     bad = {}
     for stage in range(4):
-        assert results[0][("clip_norm", stage)] > VARIANTS["split64_clip"][0]["grad_clip"]
+        assert results[0][("clip_norm", stage)] > VARIANTS["clip"][0]["grad_clip"]
     for key, value in sorted(results[0].items()):
         if key[0] == "clip_norm":
             continue

@@ -14,11 +14,11 @@ import torch
 from common import engine_steps, make_engine, make_model, rel
 from helpers_dist import run_distributed
 
-SOURCES = {"s2": dict(stage=2, min_shard_numel=16), "s3": dict(stage=3, min_shard_numel=40)}
+SOURCES = {"s2": dict(stage=2), "s3": dict(stage=3, bucket_mb=0.01)}
 TARGETS = {
     "s0": dict(stage=0),
-    "s1": dict(stage=1, min_shard_numel=1),
-    "s3": dict(stage=3, min_shard_numel=1),
+    "s1": dict(stage=1),
+    "s3": dict(stage=3),
 }
 BEFORE, AFTER = 3, 4
 

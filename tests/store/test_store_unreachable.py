@@ -68,6 +68,7 @@ def test_refused_connection_is_a_storage_error_quickly():
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_server_that_stops_answering_times_out_with_storage_error():
     server = _SilentServer()
     try:

@@ -1,0 +1,255 @@
+"""The collective patterns of training, written once: every stage uses these.
+
+In the spirit of FSDP2's ``foreach_reduce`` / ``foreach_all_gather``: a group of
+parameters ([Note: bucket layout] in ``sharded.py``) is packed into one pooled buffer, one
+collective is launched asynchronously, at most ``max_in_flight`` launches stay pending (the
+oldest is completed first, which bounds buffer memory), and completing a launch
+accumulates or unpacks its result and returns the buffers to the pool.
+
+* :func:`reduce_scatter_grads`: full gradients -> this rank's fp32 gradient shard (summed
+  into it across micro-steps). Stages 1 and 2 (buckets) and 3 (units).
+* :func:`all_reduce_flat`: a full flat gradient buffer, summed in place. Stage 0.
+* :func:`start_all_gather` / :class:`PendingOp` ``complete()``: owned slices -> full
+  tensors. Stages 1-2 after the step, stage 3 per unit, and exports / loads.
+
+[Note: reduce precision]
+Gradients are communicated in ``CommContext.reduce_dtype`` (``EngineConfig.reduce_dtype``,
+fp32 by default) and accumulated over micro-steps in fp32 shards, whatever the working
+dtype; the engine divides the fp32 sums once at the step. When the reduce dtype is fp16,
+inputs are pre-divided by ``predivide`` (a power of two near ``sqrt(world_size)``, so the
+division is exact) against overflow, and the result is multiplied back in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerostate import collectives
+from zerostate.collectives import CommStats, Handle
+from zerostate.sharded import FlatLayout
+
+#: Launched collectives kept pending before the oldest is completed (bounds buffer memory).
+MAX_IN_FLIGHT = 2
+
+
+class PooledBuffer:
+    """A buffer lent by :class:`BufferPool`: ``tensor`` is exactly the requested size."""
+
+    __slots__ = ("storage", "tensor")
+
+    def __init__(self, storage: torch.Tensor, numel: int) -> None:
+        self.storage = storage
+        self.tensor = storage[:numel]
+
+
+class BufferPool:
+    """Flat communication buffers, reused across buckets, units and steps.
+
+    ``acquire`` lends the smallest free buffer that fits (or allocates one) as a handle;
+    ``release`` takes the handle back. Buffers are never freed, so steady-state training
+    allocates nothing.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._bytes = 0
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> PooledBuffer:
+        fits = [i for i, b in enumerate(self._free) if b.dtype == dtype and b.numel() >= numel]
+        if fits:
+            storage = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        else:
+            storage = torch.empty(numel, dtype=dtype, device=self.device)
+            self._bytes += storage.numel() * storage.element_size()
+        return PooledBuffer(storage, numel)
+
+    def release(self, buffer: PooledBuffer) -> None:
+        self._free.append(buffer.storage)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._bytes
+
+
+def fp16_predivide_factor(world_size: int) -> float:
+    """Power of two closest below ``sqrt(world_size)`` (1 for one or two ranks)."""
+    return float(2 ** int(math.floor(math.log2(math.sqrt(world_size)))))
+
+
+@dataclass(kw_only=True)
+class CommContext:
+    """Everything a collective pattern needs, passed around as one object."""
+
+    group: Any
+    rank: int
+    world_size: int
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    stats: CommStats
+    pool: BufferPool
+    predivide: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.predivide = (
+            fp16_predivide_factor(self.world_size) if self.reduce_dtype == torch.float16 else 1.0
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+
+class PendingOp:
+    """A launched collective and what completing it does (accumulate, unpack, release)."""
+
+    __slots__ = ("handle", "on_done", "done")
+
+    def __init__(self, handle: Handle, on_done: Callable[[], None] | None) -> None:
+        self.handle = handle
+        self.on_done = on_done
+        self.done = False
+
+    def complete(self) -> None:
+        """Wait for the collective and run its completion once; idempotent."""
+        if self.done:
+            return
+        self.done = True
+        self.handle.wait()
+        if self.on_done is not None:
+            self.on_done()
+
+
+class InFlight:
+    """Launched collectives, oldest first; ``make_room`` keeps at most ``limit`` pending."""
+
+    def __init__(self, limit: int = MAX_IN_FLIGHT) -> None:
+        self.limit = limit
+        self._pending: deque[PendingOp] = deque()
+
+    def add(self, op: PendingOp) -> PendingOp:
+        self._pending.append(op)
+        return op
+
+    def make_room(self) -> None:
+        while len(self._pending) >= self.limit:
+            self._pending.popleft().complete()
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().complete()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def reduce_scatter_grads(
+    ctx: CommContext,
+    inflight: InFlight,
+    layout: FlatLayout,
+    grads: Sequence[torch.Tensor | None],
+    shard: torch.Tensor,
+    *,
+    accumulate: bool,
+) -> None:
+    """Sum full flat ``grads`` (``None``: zeros) over ranks into this rank's fp32 ``shard``
+    (``layout.seg_numel`` elements; ``accumulate`` adds to it, else overwrites it).
+
+    Launches asynchronously; the shard is final once ``inflight`` completed the launch.
+    See [Note: reduce precision].
+    """
+    inflight.make_room()
+    source = ctx.pool.acquire(layout.numel, ctx.reduce_dtype)
+    layout.pack(source.tensor, grads)
+    if ctx.predivide != 1.0:
+        source.tensor.div_(ctx.predivide)
+    direct = not accumulate and ctx.predivide == 1.0 and shard.dtype == ctx.reduce_dtype
+    result = None if direct else ctx.pool.acquire(layout.seg_numel, ctx.reduce_dtype)
+    out = shard if result is None else result.tensor
+    handle = collectives.reduce_scatter(
+        out, source.tensor, group=ctx.group, stats=ctx.stats, async_op=True
+    )
+
+    def done() -> None:
+        if result is not None:
+            # Both run in fp32 (the shard's dtype): multiplying back in fp16 would overflow.
+            if accumulate:
+                shard.add_(result.tensor, alpha=ctx.predivide)
+            else:
+                shard.copy_(result.tensor).mul_(ctx.predivide)
+            ctx.pool.release(result)
+        ctx.pool.release(source)
+
+    inflight.add(PendingOp(handle, done))
+
+
+def all_reduce_flat(ctx: CommContext, inflight: InFlight, flat: torch.Tensor) -> None:
+    """Sum a full flat gradient buffer over ranks, in place (asynchronously)."""
+    inflight.make_room()
+    if ctx.predivide != 1.0:
+        flat.div_(ctx.predivide)
+    handle = collectives.all_reduce(flat, group=ctx.group, stats=ctx.stats, async_op=True)
+    factor = ctx.predivide
+    inflight.add(PendingOp(handle, (lambda: flat.mul_(factor)) if factor != 1.0 else None))
+
+
+def start_all_gather(
+    ctx: CommContext,
+    layout: FlatLayout,
+    shards: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor] | None,
+    *,
+    dtype: torch.dtype,
+    counted: bool = True,
+) -> tuple[PendingOp, PooledBuffer]:
+    """Launch the all-gather that rebuilds full tensors from every rank's ``shards``.
+
+    ``shards[i]`` is this rank's owned slice of ``layout.params[i]``. With ``targets``
+    (full flat tensors) completing the op unpacks into them and returns the buffer to the
+    pool; without, the caller unpacks the returned buffer itself and releases it.
+    """
+    buffer = ctx.pool.acquire(layout.numel, dtype)
+    segment = layout.segment(buffer.tensor)
+    torch._foreach_copy_(layout.shard_views(segment), list(shards))
+    handle = collectives.all_gather(
+        buffer.tensor,
+        segment,
+        group=ctx.group,
+        stats=ctx.stats if counted else None,
+        async_op=True,
+    )
+    if targets is None:
+        return PendingOp(handle, None), buffer
+
+    def done() -> None:
+        with torch.no_grad():
+            layout.unpack(buffer.tensor, targets)
+        ctx.pool.release(buffer)
+
+    return PendingOp(handle, done), buffer
+
+
+def all_gather_groups(
+    ctx: CommContext,
+    layouts: Sequence[FlatLayout],
+    shards: Sequence[Sequence[torch.Tensor]],
+    targets: Sequence[Sequence[torch.Tensor]],
+    *,
+    dtype: torch.dtype,
+    counted: bool = True,
+) -> None:
+    """All-gather several parameter groups into full ``targets``, pipelined; blocking."""
+    inflight = InFlight()
+    for layout, group_shards, group_targets in zip(layouts, shards, targets, strict=True):
+        inflight.make_room()
+        op, _ = start_all_gather(
+            ctx, layout, group_shards, group_targets, dtype=dtype, counted=counted
+        )
+        inflight.add(op)
+    inflight.drain()
