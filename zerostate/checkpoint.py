@@ -18,6 +18,16 @@ garbage-collected or still open at interpreter exit waits for its save in a fina
 prints a failure on stderr (it cannot raise there, and it must not end a process that
 other code is still running in), so a failed background save is never silent.
 
+[Note: failing together]
+A save or load is collective, and one rank's failure must not leave the others waiting
+for a commit record or inside a collective until a timeout. So every phase that can fail
+on one rank ends in one small all-gather of an error flag (``_agree``): preparing a save
+(rank 0's checks of the target, each rank's previous async save), writing (blocking saves),
+committing, and reading a load. After it, either every rank goes on or every rank raises:
+the failing rank its own error, the others a CheckpointError naming the failed rank(s).
+Background (async) writes cannot use collectives; they rely on the commit timeout, and
+their error surfaces at the next save, load, ``handle.wait()`` or ``close()``.
+
 On a GPU the deferred copy runs on a side stream created on the state's device, inside the
 background thread (a fresh thread's current device is 0, which is not every local rank's).
 """
@@ -40,7 +50,12 @@ from typing import Any
 import torch
 
 from zerostate import collectives
-from zerostate.errors import CheckpointError, ConfigError, ZerostateError
+from zerostate.errors import (
+    CheckpointError,
+    ConfigError,
+    DistributedMismatchError,
+    ZerostateError,
+)
 from zerostate.partition import TensorLayout
 from zerostate.store import (
     StepExistsError,
@@ -52,6 +67,9 @@ from zerostate.store import (
 )
 
 log = logging.getLogger(__name__)
+
+# Codes ranks exchange before and during a save (see [Note: failing together]).
+_OK, _FAILED, _EXISTS, _REFUSED = 0, 1, 2, 3
 
 #: Default seconds a rank waits for the others while committing a step.
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
@@ -161,6 +179,26 @@ class Checkpointer:
     def _barrier(self) -> None:
         collectives.barrier(group=self.engine.group)
 
+    def _exchange(self, row: list[int]) -> list[list[int]]:
+        return collectives.exchange(
+            row, group=self.engine.group, world_size=self.world_size, device=self.engine.device
+        )
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """See [Note: failing together]: every rank learns whether any rank failed."""
+        rows = self._exchange([_FAILED if error is not None else _OK])
+        self._raise_if_failed(error, [row[0] == _FAILED for row in rows], what)
+
+    def _raise_if_failed(self, error: BaseException | None, failed: list[bool], what: str) -> None:
+        if error is not None:
+            raise error
+        ranks = [r for r, bad in enumerate(failed) if bad]
+        if ranks:
+            raise CheckpointError(
+                f"{what} failed on rank(s) {ranks} (see the error rank {ranks[0]} raised); "
+                f"rank {self.rank}'s part succeeded and nothing was committed"
+            )
+
     def _rng_pieces(self) -> list[_Piece]:
         # Every rank lists every rank's RNG tensor (the spec list must be identical on all
         # ranks); each rank owns only its own, as one whole chunk.
@@ -214,6 +252,14 @@ class Checkpointer:
         """
         shards: dict[str, torch.Tensor] = {}
         deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Storage the user can reach and change between save() and the next step (fp32
+        # masters are views of the module's own parameters at stages 0-2): copied now, so
+        # the step holds the values as of save(), whatever the caller does next.
+        visible = {
+            p.untyped_storage().data_ptr()
+            for p in self.engine.module.parameters()
+            if p.untyped_storage().nbytes()
+        }
         for piece in pieces:
             src, name = piece.source, piece.spec.name
             if src.numel() == 0:
@@ -222,7 +268,8 @@ class Checkpointer:
                 shards[name] = src.contiguous()  # written before save() returns: no copy
                 continue
             buf = self._host_buffer(name, src)
-            if name.startswith(("buffers/", "rng/")) or blocking:
+            now = blocking or name.startswith(("buffers/", "rng/"))
+            if now or src.untyped_storage().data_ptr() in visible:
                 buf.copy_(src)
             else:
                 deferred.append((buf, src))
@@ -288,47 +335,76 @@ class Checkpointer:
             "client_state": _json_checked(client_state, "client_state"),
             "saved_at_unix": time.time(),
         }
-        self.wait()  # one save in flight; surfaces a previous background failure
-        # Rank 0 checks the target and picks a save id; one all-reduce tells every rank both
+        # [Note: failing together] Rank 0 checks the target and picks a save id, every rank
+        # finishes its previous save; one all-gather tells every rank the verdict of all
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
-        already, refusal = 0, self._check_root(path, storage_options)
-        if refusal is not None:
-            already = 2
-        elif self.rank == 0:
-            if open_checkpoint(path, storage_options=storage_options).is_committed(step):
-                already = 1
-            else:
-                remove_partial_steps(path, storage_options=storage_options, only_step=step)
-        token = torch.tensor(
-            [already, secrets.randbits(62) if self.rank == 0 else 0],
-            dtype=torch.int64,
-            device=self.engine.device,
+        code, save_id, error, refusal = _OK, 0, None, None
+        try:
+            self.wait()  # one save in flight; surfaces a previous background failure
+            refusal = self._check_root(path, storage_options)
+            if refusal is not None:
+                code = _REFUSED
+            elif self.rank == 0:
+                save_id = secrets.randbits(62)
+                if open_checkpoint(path, storage_options=storage_options).is_committed(step):
+                    code = _EXISTS
+                else:
+                    remove_partial_steps(path, storage_options=storage_options, only_step=step)
+        except Exception as exc:  # reported to every rank below, then re-raised here
+            code, error = _FAILED, exc
+        rows = self._exchange([code, save_id, step])
+        self._raise_if_failed(
+            error, [r[0] == _FAILED for r in rows], f"preparing save of step {step}"
         )
-        if collectives.is_initialized():
-            collectives.all_reduce(token, group=self.engine.group, stats=None)
-        already, save_id = (int(v) for v in token.tolist())
-        if already == 2:
+        steps = [r[2] for r in rows]
+        if len(set(steps)) > 1:
+            raise DistributedMismatchError(
+                f"ranks are saving different steps ({dict(enumerate(steps))}); every rank must "
+                "call save() with the same step (the default, optimizer_steps, agrees)"
+            )
+        code, save_id = rows[0][0], rows[0][1]
+        if code == _REFUSED:
             raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
-        if already:
+        if code == _EXISTS:
             raise StepExistsError(
                 f"step {step} is already committed in {path}; save under another step number "
                 "or delete it first"
             )
-        pieces = self._pieces()
-        specs = [p.spec for p in pieces]
-        writer = StepWriter(
-            path,
-            step,
-            rank=self.rank,
-            world_size=self.world_size,
-            specs=specs,
-            attrs=attrs,
-            storage_options=storage_options,
-            timeout_s=self.timeout_s,
-            progress=progress,
-            save_id=f"{save_id:016x}",
-        )
-        shards, copy = self._snapshot(pieces, blocking)
+        try:
+            pieces = self._pieces()
+            writer = StepWriter(
+                path,
+                step,
+                rank=self.rank,
+                world_size=self.world_size,
+                specs=[p.spec for p in pieces],
+                attrs=attrs,
+                storage_options=storage_options,
+                timeout_s=self.timeout_s,
+                progress=progress,
+                save_id=f"{save_id:016x}",
+            )
+            shards, copy = self._snapshot(pieces, blocking)
+        except Exception as exc:
+            error = exc
+        self._agree(error, f"preparing save of step {step}")
+
+        if blocking:
+            # Each phase ends in an agreement, so one rank's failure fails every rank at
+            # once instead of leaving them polling storage until the commit timeout.
+            try:
+                writer.write(shards)
+            except Exception as exc:
+                error = exc
+            self._agree(error, f"writing step {step}")
+            try:
+                writer.commit(wait=False)  # rank 0 writes the commit record
+                if self.rank == 0:
+                    self._retain(path, step, keep_last, storage_options)
+            except Exception as exc:
+                error = exc
+            self._agree(error, f"committing step {step}")
+            return SaveHandle(step, path, None, time.perf_counter() - start)
 
         def finish() -> None:
             if copy is not None:
@@ -338,11 +414,6 @@ class Checkpointer:
             if self.rank == 0:
                 self._retain(path, step, keep_last, storage_options)
 
-        if blocking:
-            finish()
-            self._barrier()
-            handle = SaveHandle(step, path, None, time.perf_counter() - start)
-            return handle
         if self._state.executor is None:
             self._state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
         future = self._state.executor.submit(finish)
@@ -417,10 +488,27 @@ class Checkpointer:
         strict: bool = True,
     ) -> Any:
         self._check_open()
-        self.wait()
-        self.before_update()
-        ckpt = open_checkpoint(path, storage_options=storage_options)
-        st = ckpt.step(step)
+        error, st = None, None
+        try:
+            self.wait()
+            self.before_update()
+            st = self._read_step(path, step, storage_options, strict)
+        except Exception as exc:
+            error = exc
+        # Every rank must know before the collectives below whether all ranks read their
+        # part ([Note: failing together]); a rank's read error fails every rank at once.
+        self._agree(error, f"loading {path}")
+        self.engine.load_engine_state(st.attrs.get("engine", {}))
+        self.engine.refresh_from_masters()
+        self._restore_rng(st)
+        self._barrier()
+        return st.attrs.get("client_state")
+
+    def _read_step(
+        self, path: str, step: int | None, storage_options: dict | None, strict: bool
+    ) -> Any:
+        """Open the step, check it fits the model and read this rank's ranges."""
+        st = open_checkpoint(path, storage_options=storage_options).step(step)
         views = self.engine.state_views()
         missing = [v.name for v in views if v.name not in st.tensors]
         if not strict:
@@ -435,9 +523,7 @@ class Checkpointer:
             )
         for view in views:
             info = st.tensors.get(view.name)
-            if info is None:
-                continue
-            if tuple(info.shape) != tuple(view.shape):
+            if info is not None and tuple(info.shape) != tuple(view.shape):
                 raise CheckpointError(
                     f"{view.name}: checkpoint shape {tuple(info.shape)} != model shape "
                     f"{tuple(view.shape)}"
@@ -448,11 +534,7 @@ class Checkpointer:
             ]
             for fut in futures:
                 fut.result()
-        self.engine.load_engine_state(st.attrs.get("engine", {}))
-        self.engine.refresh_from_masters()
-        self._restore_rng(st)
-        self._barrier()
-        return st.attrs.get("client_state")
+        return st
 
     @staticmethod
     def _load_view(st: Any, view: Any) -> None:

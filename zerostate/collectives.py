@@ -183,6 +183,18 @@ def _digest(obj: Any) -> int:
     return int.from_bytes(raw[:8], "little", signed=True)
 
 
+def exchange(
+    row: list[int], *, group: Any, world_size: int, device: torch.device
+) -> list[list[int]]:
+    """All-gather one short row of integers per rank (control traffic: not counted)."""
+    if not is_initialized():
+        return [list(row)]
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    rows = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
+    all_gather(rows, mine, group=group, stats=None)
+    return rows.view(world_size, len(row)).tolist()
+
+
 def check_agreement(
     aspects: dict[str, Any],
     local_error: BaseException | None,
@@ -199,10 +211,7 @@ def check_agreement(
     """
     names = list(aspects)
     row = [1 if local_error is not None else 0] + [_digest(aspects[n]) for n in names]
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    rows = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
-    all_gather(rows, mine, group=group, stats=None)
-    table = rows.view(world_size, len(row)).tolist()
+    table = exchange(row, group=group, world_size=world_size, device=device)
     failed = [r for r, t in enumerate(table) if t[0]]
     if local_error is not None:
         raise local_error
