@@ -41,11 +41,11 @@ class RowRecord:
         }
 
 
-def tensor_entries(specs: list[Any], world_size: int) -> tuple[dict[str, dict], dict[str, GroupPlan]]:
+def tensor_entries(
+    specs: list[Any], world_size: int
+) -> tuple[dict[str, dict], dict[str, GroupPlan]]:
     """Commit-record tensor entries and group plans of writer specs."""
-    plans = plan_groups(
-        ((s.name, s.layout, s.dtype.itemsize) for s in specs), world_size
-    )
+    plans = plan_groups(((s.name, s.layout, s.dtype.itemsize) for s in specs), world_size)
     offsets = {slot.name: slot.offset for plan in plans.values() for slot in plan.slots}
     entries = {}
     for s in specs:
@@ -164,7 +164,9 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
                     f"{where}: tensor {slot.name!r} offset {tensors[slot.name].offset} does not "
                     f"match the row plan ({slot.offset})"
                 )
-    manifests = [fmt._parse_chunk(m, f"{where}: manifest {r}") for r, m in enumerate(manifests_json)]
+    manifests = [
+        fmt._parse_chunk(m, f"{where}: manifest {r}") for r, m in enumerate(manifests_json)
+    ]
     for r, m in enumerate(manifests):
         if m.nbytes > MAX_MANIFEST_NBYTES:
             raise CorruptCheckpointError(f"{where}: manifest {r} is recorded as {m.nbytes} bytes")

@@ -104,16 +104,17 @@ class StepReaderV2(StepReader):
             row = info.layout.chunk_owner(read.chunk_index)
             at = read.out_start * size
             self._read_bytes(
-                name, plan, row, info.offset + read.chunk_start * size,
+                name,
+                plan,
+                row,
+                info.offset + read.chunk_start * size,
                 dest[at : at + read.numel * size],
             )
 
         self._map(copy, chunk_reads(info.layout, start, stop))
         return out
 
-    def _read_bytes(
-        self, name: str, plan: GroupPlan, rank: int, lo: int, dest: memoryview
-    ) -> None:
+    def _read_bytes(self, name: str, plan: GroupPlan, rank: int, lo: int, dest: memoryview) -> None:
         """Row bytes ``[lo, lo + len(dest))`` of ``rank``'s row into ``dest``, verified."""
         row = self._row(plan, rank)
         url = self._row_url(plan, rank)
