@@ -62,6 +62,30 @@ class StepReaderV2(StepReader):
         rows = sum(r is not None for rows in self._rows.values() for r in rows)
         return rows + len(self._files) + self.world_size + 1
 
+    def row_objects(self) -> list[tuple[str, int, int]]:
+        """``(group, rank, nbytes)`` of every row object the step holds."""
+        return [
+            (g, r, row.nbytes)
+            for g, rows in self._rows.items()
+            for r, row in enumerate(rows)
+            if row is not None
+        ]
+
+    def locate(self, name: str, element: int) -> tuple[str, int]:
+        """Where element ``element`` of tensor ``name`` is stored: the row object's path
+        (relative to the checkpoint root) and the byte offset in it (for tools and tests)."""
+        info = self.info(name)
+        if not 0 <= element < info.numel:
+            raise ConfigError(f"{name}: element {element} outside [0, {info.numel})")
+        plan = self._plans[info.group]  # type: ignore[index]
+        chunk = element // info.layout.chunk_numel
+        rank = info.layout.chunk_owner(chunk)
+        at = info.offset + (element - chunk * info.layout.chunk_numel) * info.dtype.itemsize
+        position = plan.position(rank, at // plan.inner)
+        assert position is not None, "an owned byte lies in a stored inner chunk"
+        offset = position * plan.stored_chunk_nbytes + at % plan.inner
+        return f"{self._dir}/{row_path(plan.name, rank)}", offset
+
     def _row(self, plan: GroupPlan, rank: int) -> format2.RowRecord | None:
         row = self._rows[plan.name][rank]
         key = (plan.name, rank)

@@ -95,9 +95,7 @@ class LazyShard:
     ``read(offset, nbytes)`` returns bytes ``[offset, offset + nbytes)`` of the shard.
     Lets a converter (``reshard``) write a row without holding it in memory."""
 
-    def __init__(
-        self, numel: int, dtype: torch.dtype, read: Callable[[int, int], Any]
-    ) -> None:
+    def __init__(self, numel: int, dtype: torch.dtype, read: Callable[[int, int], Any]) -> None:
         self.numel, self.dtype, self.read = numel, dtype, read
 
 
@@ -521,6 +519,7 @@ class StepWriter:
         doc = fmt.group_document({"zerostate_commit": record})
         self._storage.write(self._path(fmt.COMMIT_PATH), [doc])
         self._storage.sync_dirs()
+
     def _wait_for_commit(self, deadline: float) -> None:
         delay = 0.01
         path = self._path(fmt.COMMIT_PATH)
