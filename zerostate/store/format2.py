@@ -134,7 +134,10 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
             if not isinstance(entry, dict):
                 raise CorruptCheckpointError(f"{where}: group {g!r} must be an object")
             inner[g] = fmt._int(
-                entry.get("inner_chunk_nbytes"), f"{where}: group {g!r}", 1, MAX_INNER_NBYTES
+                entry.get("inner_chunk_nbytes"),
+                f"{where}: group {g!r} inner_chunk_nbytes",
+                1,
+                MAX_INNER_NBYTES,
             )
         plans = plan_groups(
             ((i.name, i.layout, i.dtype.itemsize) for i in tensors.values()), world_size, inner

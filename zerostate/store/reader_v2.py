@@ -11,7 +11,8 @@ follow from the plan); ``verify`` reads and checks it along with every chunk.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import crc32c
@@ -27,6 +28,8 @@ from zerostate.store.storage import Storage
 
 #: Bytes verify reads per request: bounds its memory whatever the row size.
 VERIFY_BLOCK_NBYTES = 64 << 20
+#: Most row bytes one coalesced read covers (bounds a fetch's memory on object stores).
+RUN_NBYTES = 64 << 20
 
 
 class StepReaderV2(StepReader):
@@ -116,56 +119,82 @@ class StepReaderV2(StepReader):
         Only the inner chunks overlapping the range are read. If one fails its checks the
         error is raised and ``out`` may hold part of the data.
         """
-        info = self.info(name)
-        start, stop, out = self._check_range(info, start, stop, out)
-        if stop == start:
-            return out
-        dest = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        size = info.dtype.itemsize
-        plan = self._plans[info.group]  # type: ignore[index]
+        return self.read_many([(name, start, stop, out)])[0]
 
-        def copy(read: Any) -> None:
-            row = info.layout.chunk_owner(read.chunk_index)
-            at = read.out_start * size
-            self._read_bytes(
-                name,
-                plan,
-                row,
-                info.offset + read.chunk_start * size,
-                dest[at : at + read.numel * size],
-            )
+    def read_many(
+        self, requests: Iterable[tuple[str, int, int, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        """Several ``(name, start, stop, out)`` reads at once (see :meth:`read_range`):
+        every inner chunk they need is read once, adjacent chunks of a row in one request,
+        whichever tensors they serve. A loader reads all its ranges this way."""
+        outs: list[torch.Tensor] = []
+        pieces: dict[tuple[str, int], list[_Piece]] = {}
+        for name, start, stop, out in requests:
+            info = self.info(name)
+            start, stop, out = self._check_range(info, start, stop, out)
+            outs.append(out)
+            if stop == start:
+                continue
+            dest = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            size = info.dtype.itemsize
+            for read in chunk_reads(info.layout, start, stop):
+                at, lo = read.out_start * size, info.offset + read.chunk_start * size
+                key = (info.group, info.layout.chunk_owner(read.chunk_index))
+                part = dest[at : at + read.numel * size]
+                # Cut at multiples of RUN_NBYTES (inner chunks divide it): no fetch grows
+                # past it, and no chunk is read by two of them.
+                todo = pieces.setdefault(key, [])
+                while part.nbytes:
+                    take = min(part.nbytes, (lo // RUN_NBYTES + 1) * RUN_NBYTES - lo)
+                    todo.append(_Piece(lo, lo + take, part[:take], name))
+                    lo, part = lo + take, part[take:]
+        jobs = []
+        for (group, rank), todo in pieces.items():
+            plan = self._plans[group]
+            while todo:  # pieces that overlap an earlier one go in a later pass
+                todo.sort(key=lambda p: p.lo)
+                batch, later, end = [], [], -1
+                for piece in todo:
+                    (batch if piece.lo >= end else later).append(piece)
+                    end = max(end, piece.hi) if piece.lo >= end else end
+                jobs += [(plan, rank, run) for run in _runs(batch, plan.inner)]
+                todo = later
+        self._map(lambda job: self._read_run(*job), jobs)
+        return outs
 
-        self._map(copy, chunk_reads(info.layout, start, stop))
-        return out
-
-    def _read_bytes(self, name: str, plan: GroupPlan, rank: int, lo: int, dest: memoryview) -> None:
-        """Row bytes ``[lo, lo + len(dest))`` of ``rank``'s row into ``dest``, verified."""
+    def _read_run(self, plan: GroupPlan, rank: int, run: list[_Piece]) -> None:
+        """Read the inner chunks under ``run`` (sorted pieces whose chunks are adjacent)
+        with one ranged request, landing piece bytes in place, and verify every chunk."""
         row = self._row(plan, rank)
         url = self._row_url(plan, rank)
-        what = f"tensor {name!r}: rank {rank}'s row of group {plan.name!r} ({url})"
         size, stored = plan.inner, plan.stored_chunk_nbytes
-        hi = lo + dest.nbytes
-        first, last = lo // size, (hi - 1) // size
+        first, last = run[0].lo // size, (run[-1].hi - 1) // size
         p0, p1 = plan.position(rank, first), plan.position(rank, last)
+        names = sorted({p.name for p in run})
+        what = f"tensor(s) {_names(names)}: rank {rank}'s row of group {plan.name!r} ({url})"
         if row is None or p0 is None or p1 is None or p1 - p0 != last - first:
-            raise CorruptCheckpointError(f"{what} does not hold bytes [{lo}, {hi})")
+            raise CorruptCheckpointError(f"{what} does not hold the bytes they need")
         parts: list[memoryview] = []
         checks: list[tuple[int, list[memoryview], memoryview]] = []
         crcs = memoryview(bytearray(CHECKSUM_NBYTES * (last - first + 1)))
-        pos = lo
+        i = 0
         for k, j in enumerate(range(first, last + 1)):
-            c_lo = j * size
-            take = min(hi, c_lo + size) - pos
-            pieces = []
-            if pos > c_lo:
-                pieces.append(memoryview(bytearray(pos - c_lo)))
-            pieces.append(dest[pos - lo : pos - lo + take])
-            if c_lo + size > pos + take:
-                pieces.append(memoryview(bytearray(c_lo + size - pos - take)))
+            pos, hi = j * size, (j + 1) * size
+            segments = []
+            while pos < hi:
+                while i < len(run) and run[i].hi <= pos:
+                    i += 1
+                if i < len(run) and run[i].lo <= pos:
+                    piece = run[i]
+                    end = min(piece.hi, hi)
+                    segments.append(piece.dest[pos - piece.lo : end - piece.lo])
+                else:
+                    end = min(run[i].lo, hi) if i < len(run) else hi
+                    segments.append(memoryview(bytearray(end - pos)))  # not asked for
+                pos = end
             crc_view = crcs[k * CHECKSUM_NBYTES : (k + 1) * CHECKSUM_NBYTES]
-            parts += [*pieces, crc_view]
-            checks.append((j, pieces, crc_view))
-            pos += take
+            parts += [*segments, crc_view]
+            checks.append((j, segments, crc_view))
         want = (last - first + 1) * stored
         try:
             got = self._storage.read_range_into(
@@ -178,15 +207,17 @@ class StepReaderV2(StepReader):
                 f"{what} ends early: {got} of {want} bytes at offset {p0 * stored} "
                 "(truncated or overwritten)"
             )
-        for j, pieces, crc_view in checks:
+        for j, segments, crc_view in checks:
             actual = 0
-            for piece in pieces:
-                actual = crc32c.crc32c(piece, actual)
+            for segment in segments:
+                actual = crc32c.crc32c(segment, actual)
             stored_crc = int.from_bytes(crc_view, "little")
             if actual != stored_crc:
+                hit = _names(plan.tensors_in_chunk(rank, j))
                 raise CorruptCheckpointError(
-                    f"{what}, inner chunk {j}, fails its checksum (crc32c {actual:#010x}, "
-                    f"stored {stored_crc:#010x}): the data is damaged"
+                    f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
+                    f"inner chunk {j}, fails its checksum (crc32c {actual:#010x}, stored "
+                    f"{stored_crc:#010x}): the data is damaged"
                 )
 
     # ------------------------------------------------------------------ verify
@@ -304,6 +335,31 @@ class StepReaderV2(StepReader):
         if state is not None and not isinstance(state, dict):
             raise CorruptCheckpointError(f"{where}: rank_state is not an object")
         return state
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Row bytes ``[lo, hi)`` wanted in ``dest`` (a view of a caller's tensor)."""
+
+    lo: int
+    hi: int
+    dest: memoryview
+    name: str
+
+
+def _runs(pieces: list[_Piece], inner: int) -> list[list[_Piece]]:
+    """Split sorted, disjoint pieces into runs whose inner chunks are adjacent (a piece may
+    share a chunk with the next), each run at most ``RUN_NBYTES`` of chunks."""
+    runs: list[list[_Piece]] = []
+    for piece in pieces:
+        if runs:
+            run = runs[-1]
+            gap_ok = piece.lo // inner <= (run[-1].hi - 1) // inner + 1
+            if gap_ok and piece.hi - run[0].lo <= RUN_NBYTES:
+                run.append(piece)
+                continue
+        runs.append([piece])
+    return runs
 
 
 def _names(names: list[str]) -> str:
