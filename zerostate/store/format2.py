@@ -182,7 +182,7 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
 
 def check_row(plan: GroupPlan, rank: int, row: RowRecord | None, where: str) -> None:
     """A row record must be exactly what the plan says ``rank`` stores."""
-    expected = plan.object_nbytes(rank)
+    expected = int(plan.object_sizes()[rank])
     got = row.nbytes if row is not None else 0
     if got != expected:
         raise CorruptCheckpointError(

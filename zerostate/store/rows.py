@@ -26,6 +26,8 @@ import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from zerostate.errors import ConfigError
 from zerostate.partition import TensorLayout, ceil_div
 
@@ -85,6 +87,7 @@ class GroupPlan:
     inner: int
     row_nbytes: int
     _present: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    _sizes: np.ndarray | None = None
 
     @property
     def num_inner(self) -> int:
@@ -128,6 +131,31 @@ class GroupPlan:
         """Size of ``rank``'s row object, 0 when the row is not written."""
         n = self.num_present(rank)
         return n * self.stored_chunk_nbytes + self.index_nbytes if n else 0
+
+    def object_sizes(self) -> np.ndarray:
+        """``object_nbytes`` of every rank at once: rank 0 checks every manifest against
+        them, and a loop over ranks and tensors takes seconds at thousands of ranks."""
+        if self._sizes is None:
+            self._sizes = self._object_sizes()
+        return self._sizes
+
+    def _object_sizes(self) -> np.ndarray:
+        ranks = np.arange(self.world_size, dtype=np.int64)
+        covered = np.zeros(self.world_size, dtype=np.int64)  # stored chunks [0, covered)
+        count = np.zeros(self.world_size, dtype=np.int64)
+        for slot in self.slots:  # ascending offsets, as ``present`` walks them
+            lay = slot.layout
+            if not lay.num_chunks:
+                continue
+            index = (ranks - lay.first_owner) % self.world_size
+            owned = np.clip(lay.numel - index * lay.chunk_numel, 0, lay.chunk_numel)
+            has = owned > 0
+            first = slot.offset // self.inner
+            stop = -(-(slot.offset + owned * slot.itemsize) // self.inner)
+            new = np.where(has, stop - np.maximum(first, covered), 0)
+            count += np.maximum(new, 0)
+            covered = np.where(has, np.maximum(covered, stop), covered)
+        return np.where(count > 0, count * self.stored_chunk_nbytes + self.index_nbytes, 0)
 
     def position(self, rank: int, chunk: int) -> int | None:
         """Position of inner chunk ``chunk`` within ``rank``'s object, None if absent."""

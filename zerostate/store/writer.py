@@ -470,6 +470,7 @@ class StepWriter:
     def _write_commit_record(self, manifests: dict[int, tuple[dict, bytes]]) -> None:
         rows: dict[str, list[dict | None]] = {g: [None] * self.world_size for g in self._plans}
         files: dict[str, dict] = {}
+        sizes = {g: p.object_sizes().tolist() for g, p in self._plans.items()}
         for r, (manifest, _) in sorted(manifests.items()):
             got, docs = manifest.get("rows"), manifest.get("files")
             if not isinstance(got, dict) or not isinstance(docs, dict):
@@ -477,7 +478,7 @@ class StepWriter:
             state = manifest.get("rank_state")
             if state is not None and not isinstance(state, dict):
                 raise CorruptCheckpointError(f"manifest of rank {r}: rank_state is not an object")
-            expected = {g for g, p in self._plans.items() if p.num_present(r)}
+            expected = {g for g in self._plans if sizes[g][r]}
             if set(got) != expected:
                 raise DistributedMismatchError(
                     f"manifest of rank {r} lists rows of groups {sorted(got)[:10]}, the plan "
@@ -485,8 +486,12 @@ class StepWriter:
                 )
             for g in expected:
                 row = format2.parse_row(got[g], f"manifest of rank {r}: group {g!r}")
-                format2.check_row(self._plans[g], r, row, f"manifest of rank {r}")
-                rows[g][r] = row.to_json()  # type: ignore[union-attr]
+                if row is None or row.nbytes != sizes[g][r]:
+                    raise CorruptCheckpointError(
+                        f"manifest of rank {r}: group {g!r} row is {got[g]!r}, the plan says "
+                        f"{sizes[g][r]} bytes"
+                    )
+                rows[g][r] = row.to_json()
             for path, entry in docs.items():
                 fmt.validate_name(path, what="metadata path", allow_meta=True)
                 files[path] = entry
