@@ -28,7 +28,8 @@ import torch
 from zerostate.errors import ConfigError
 from zerostate.partition import even_layout, plan_layouts
 from zerostate.store.reader import delete_step, open_checkpoint, remove_partial_steps
-from zerostate.store.writer import LazyShard, StepWriter, TensorSpec
+from zerostate.store.rows import LazyShard
+from zerostate.store.writer import StepWriter, TensorSpec
 
 #: Called as ``progress(bytes_done, bytes_total)``.
 ProgressFn = Callable[[int, int], None]

@@ -23,12 +23,15 @@ from __future__ import annotations
 import bisect
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import crc32c
 import numpy as np
+import torch
 
-from zerostate.errors import ConfigError
+from zerostate.errors import CheckpointError, ConfigError
 from zerostate.partition import TensorLayout, ceil_div
 
 TOP_GROUP = "_top"
@@ -252,3 +255,70 @@ def plan_groups(
         size = (inner or {}).get(group) or inner_chunk_nbytes(offset, len(members))
         plans[group] = GroupPlan(group, world_size, slots, size, offset)
     return plans
+
+
+class LazyShard:
+    """A shard whose bytes are produced on demand, in order, while its row streams out:
+    ``read(offset, nbytes)`` returns bytes ``[offset, offset + nbytes)`` of the shard.
+    Lets a converter (``reshard``) write a row without holding it in memory."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, read: Callable[[int, int], Any]) -> None:
+        self.numel, self.dtype, self.read = numel, dtype, read
+
+
+Source = memoryview | LazyShard
+
+
+def _piece(source: Source, offset: int, nbytes: int) -> Any:
+    if isinstance(source, LazyShard):
+        data = memoryview(source.read(offset, nbytes)).cast("B")
+        if data.nbytes != nbytes:
+            raise CheckpointError(
+                f"internal: lazy shard gave {data.nbytes} bytes, {nbytes} were asked for"
+            )
+        return data
+    return source[offset : offset + nbytes]
+
+
+def row_parts(
+    plan: GroupPlan, rank: int, sources: dict[str, Source], chunk_crcs: bytearray
+) -> Iterator[Any]:
+    """The bytes of ``rank``'s row object of ``plan``, in pieces that are mostly views of
+    the sources (no copy): stored inner chunks each followed by its crc32c, then the shard
+    index and its crc32c. The chunk checksums are appended to ``chunk_crcs``."""
+    spans = plan.spans(rank)
+    size = plan.inner
+    zeros = memoryview(bytes(size))
+    k = 0
+    for first, stop in plan.present(rank):
+        for j in range(first, stop):
+            lo, hi = j * size, (j + 1) * size
+            while k < len(spans) and spans[k][1] <= lo:
+                k += 1
+            pos, crc, i = lo, 0, k
+            while pos < hi:
+                if i < len(spans) and spans[i][0] < hi:
+                    s_lo, s_hi, slot = spans[i]
+                    if s_lo > pos:
+                        gap = zeros[: s_lo - pos]
+                        crc = crc32c.crc32c(gap, crc)
+                        yield gap
+                        pos = s_lo
+                    end = min(s_hi, hi)
+                    piece = _piece(sources[slot.name], pos - s_lo, end - pos)
+                    crc = crc32c.crc32c(piece, crc)
+                    yield piece
+                    pos = end
+                    if end == s_hi:
+                        i += 1
+                else:
+                    gap = zeros[: hi - pos]
+                    crc = crc32c.crc32c(gap, crc)
+                    yield gap
+                    pos = hi
+            tail = crc.to_bytes(CHECKSUM_NBYTES, "little")
+            chunk_crcs += tail
+            yield tail
+    index = plan.index_bytes(rank)
+    yield index
+    yield crc32c.crc32c(index).to_bytes(CHECKSUM_NBYTES, "little")
