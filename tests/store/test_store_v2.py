@@ -233,3 +233,21 @@ def test_group_tree_conflict_in_record_is_unsafe(tmp_path):
 
     with pytest.raises((UnsafeNameError, CorruptCheckpointError)):
         _edit(tmp_path, lie).step(1)
+
+
+def test_large_reads_check_the_data_exists_before_allocating(tmp_path, monkeypatch):
+    from zerostate.store import reader_v2
+
+    monkeypatch.setattr(reader_v2, "PROBE_NBYTES", 16)  # "large" for this tiny step
+    save_tensors(str(tmp_path), 1, make_tensors(), world_size=3)
+    st = open_checkpoint(str(tmp_path)).step(1)
+    path, _ = st.locate("model/h.0.attn.weight", st.tensors["model/h.0.attn.weight"].numel - 1)
+    (tmp_path / path).write_bytes((tmp_path / path).read_bytes()[:10])
+    allocations = []
+    real_empty = torch.empty
+    monkeypatch.setattr(
+        torch, "empty", lambda *a, **k: allocations.append(a) or real_empty(*a, **k)
+    )
+    with pytest.raises(CorruptCheckpointError, match="does not hold the .* bytes"):
+        st.read("model/h.0.attn.weight")
+    assert allocations == []

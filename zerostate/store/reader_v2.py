@@ -28,6 +28,8 @@ from zerostate.store.storage import Storage
 
 #: Bytes verify reads per request: bounds its memory whatever the row size.
 VERIFY_BLOCK_NBYTES = 64 << 20
+#: Results larger than this are allocated only after a one-byte read shows the data exists.
+PROBE_NBYTES = 64 << 20
 #: Most row bytes one coalesced read covers (bounds a fetch's memory on object stores).
 RUN_NBYTES = 64 << 20
 
@@ -131,6 +133,8 @@ class StepReaderV2(StepReader):
         pieces: dict[tuple[str, int], list[_Piece]] = {}
         for name, start, stop, out in requests:
             info = self.info(name)
+            if out is None:
+                self._probe(info, start, stop)
             start, stop, out = self._check_range(info, start, stop, out)
             outs.append(out)
             if stop == start:
@@ -161,6 +165,35 @@ class StepReaderV2(StepReader):
                 todo = later
         self._map(lambda job: self._read_run(*job), jobs)
         return outs
+
+    def _probe(self, info: fmt.TensorInfo, start: Any, stop: Any) -> None:
+        """Before allocating a large result, read the last byte it needs from each row:
+        a commit record that lies about sizes fails here, not with a huge allocation."""
+        try:
+            nbytes = (int(stop) - int(start)) * info.dtype.itemsize
+        except (TypeError, ValueError):
+            return  # _check_range names the problem
+        if nbytes <= PROBE_NBYTES or not 0 <= int(start) < int(stop) <= info.numel:
+            return
+        plan = self._plans[info.group]  # type: ignore[index]
+        size = info.dtype.itemsize
+        for read in chunk_reads(info.layout, int(start), int(stop)):
+            rank = info.layout.chunk_owner(read.chunk_index)
+            last = info.offset + read.chunk_stop * size - 1
+            position = plan.position(rank, last // plan.inner)
+            at = (position if position is not None else 0) + 1
+            byte = memoryview(bytearray(1))
+            path = f"{self._dir}/{row_path(plan.name, rank)}"
+            try:
+                got = self._storage.read_range_into(path, at * plan.stored_chunk_nbytes - 1, [byte])
+            except FileNotFoundError:
+                got = 0
+            if position is None or got != 1:
+                raise CorruptCheckpointError(
+                    f"tensor {info.name!r}: rank {rank}'s row of group {plan.name!r} "
+                    f"({self._row_url(plan, rank)}) does not hold the {nbytes} bytes the "
+                    "commit record promises (missing or truncated)"
+                )
 
     def _read_run(self, plan: GroupPlan, rank: int, run: list[_Piece]) -> None:
         """Read the inner chunks under ``run`` (sorted pieces whose chunks are adjacent)
