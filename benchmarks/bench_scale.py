@@ -202,6 +202,7 @@ def run_plan() -> str:
     sample = [70000, 5, 100000, 200000, 9, 65536 * 3 + 1] * 5
     for world in (3, 8):
         assert v1_layouts(sample, world) == plan_layouts(sample, world)
+    plan_v2(llama_params(**SHAPES["Llama-7B"]), 8)  # one-time import and first-use costs
     lines = [
         "| model | ranks | objects v1 | objects v2 | manifest v1 | manifest v2 | "
         "commit record v1 | commit record v2 | planning v1 | planning v2 | "
