@@ -88,6 +88,8 @@ def test_rank_state_round_trip(tmp_path):
     assert [st.rank_state(r) for r in range(3)] == [states[0], None, states[2]]
     with pytest.raises(ConfigError, match="rank must be"):
         st.rank_state(3)
+    with pytest.raises(ConfigError, match="row_objects"):
+        st.iter_chunks()
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,12 @@ class StepReaderV2(StepReader):
             if row is not None
         ]
 
+    def iter_chunks(self) -> Any:
+        raise ConfigError(
+            f"step {self.step} is format 2: it has no per-chunk objects; use row_objects() "
+            "for its objects and read_range()/read_many() for data"
+        )
+
     def locate(self, name: str, element: int) -> tuple[str, int]:
         """Where element ``element`` of tensor ``name`` is stored: the row object's path
         (relative to the checkpoint root) and the byte offset in it (for tools and tests)."""
