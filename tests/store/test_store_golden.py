@@ -136,3 +136,14 @@ def test_writer_still_produces_the_golden_v2_bytes(tmp_path):
     assert sorted(map(str, fresh)) == sorted(map(str, golden))
     changed = [str(p) for p in golden if golden[p] != fresh[p]]
     assert changed == []
+
+
+@pytest.mark.parametrize("golden", [GOLDEN_V1, GOLDEN_V2], ids=["v1", "v2"])
+def test_inspect_shows_version_and_objects(golden, capsys):
+    from zerostate_cli.main import main
+
+    assert main(["inspect", str(golden / "ckpt"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = _expected(golden)
+    files = [p for p in (golden / "ckpt").rglob("*") if p.is_file()]
+    assert (data["format_version"], data["objects"]) == (expected["format_version"], len(files))
