@@ -65,6 +65,7 @@ def describe(ckpt: Any, st: Any, root: str, storage_options: dict | None) -> dic
         "partial_steps": partial_steps(root, storage_options, committed),
         "step": st.step,
         "format_version": st.format_version,
+        "objects": st.object_count,
         "world_size": st.world_size,
         "stage": engine.get("stage"),
         "precision": engine.get("precision"),
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"step {data['step']}: world size {data['world_size']}, format version "
-        f"{data['format_version']}" + (f", {engine}" if engine else "")
+        f"{data['format_version']}, {data['objects']} objects" + (f", {engine}" if engine else "")
     )
     for alias, canonical in sorted(data["tied"].items()):
         print(f"tied: {alias} -> {canonical}")

@@ -122,7 +122,9 @@ def test_inspect_json_and_partial_steps(ckpt, capsys) -> None:
     data = json.loads(stdout)
     assert data["steps"] == [5, 7] and data["step"] == 7 and data["partial_steps"] == [9]
     assert (data["world_size"], data["stage"], data["precision"]) == (3, 2, "bf16")
-    assert data["format_version"] == 1
+    assert data["format_version"] == 2
+    # rows of 4 groups on 3 ranks at most, 3 manifests, 5 documents... not one per tensor
+    assert data["objects"] == open_checkpoint(str(root)).step(7).object_count <= 4 * 3 + 64
     by_name = {t["name"]: t for t in data["tensors"]}
     assert by_name["model/wte.weight"]["shape"] == [41, 13]
     assert by_name["model/wte.weight"]["dtype"] == "float32"
@@ -155,12 +157,14 @@ def test_verify_clean_then_damaged_chunk(ckpt, capsys) -> None:
     root, _ = ckpt
     code, stdout, _ = run_cli(["verify", str(root), "-q"], capsys)
     assert code == 0 and "every checksum matches" in stdout
-    chunk = root / "step-00000007" / "model" / "h.0.w" / "c" / "1"
-    data = bytearray(chunk.read_bytes())
-    data[5] ^= 0xFF
-    chunk.write_bytes(bytes(data))
+    st = open_checkpoint(str(root)).step(7)
+    path, offset = st.locate("model/h.0.w", st.tensors["model/h.0.w"].layout.chunk_numel)
+    row = root / path
+    data = bytearray(row.read_bytes())
+    data[offset] ^= 0xFF
+    row.write_bytes(bytes(data))
     code, _, err = run_cli(["verify", str(root), "-q"], capsys)
-    assert_one_line_error(code, err, "'model/h.0.w' chunk 1", "checksum")
+    assert_one_line_error(code, err, "'model/h.0.w'", "rank 1's row", "checksum")
     assert code == 1
     code, _, _ = run_cli(["verify", str(root), "--step", "5", "-q"], capsys)
     assert code == 0  # other steps are untouched

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerostate.errors import ConfigError
-from zerostate.partition import plan_layouts
+from zerostate.partition import even_layout, plan_layouts
 from zerostate.store import open_checkpoint, save_tensors
 from zerostate.store.reshard import reshard
 
@@ -88,3 +88,19 @@ def test_bad_arguments(source, tmp_path: Path) -> None:
         reshard(str(root), str(tmp_path / "x"), 0)
     with pytest.raises(ConfigError, match="same checkpoint"):
         reshard(str(root), str(root), 2)
+
+
+def test_default_plan_is_even_v2_and_streams_the_source_in_blocks(
+    source, tmp_path: Path, monkeypatch
+) -> None:
+    from zerostate.store import reshard as module
+
+    monkeypatch.setattr(module, "BLOCK_NBYTES", 40)  # many small blocks, unaligned to rows
+    root, tensors = source
+    reshard(str(root), str(tmp_path / "dst"), 4)
+    st = open_checkpoint(str(tmp_path / "dst")).step()
+    assert st.format_version == 2 and st.world_size == 4
+    assert all(info.layout == even_layout(info.numel, 4) for info in st.tensors.values())
+    for name, t in tensors.items():
+        assert torch.equal(st.read(name), t), name
+    st.verify()

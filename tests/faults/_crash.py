@@ -46,6 +46,9 @@ def _arm_local(point: KillPoint | None, counter: list[int], lock: threading.Lock
                 if point.torn and __name in _WRITES and len(args) >= 2:
                     data = memoryview(args[1]).cast("B")
                     __orig(args[0], data[: data.nbytes // 2], *args[2:], **kwargs)
+                elif point.torn and __name == "writev" and len(args) >= 2 and args[1]:
+                    first = memoryview(args[1][0]).cast("B")
+                    __orig(args[0], [first[: first.nbytes // 2]])
                 _die()
             return __orig(*args, **kwargs)
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import torch
 
 from zerostate.store import TensorSpec, owned_shards, plan_specs, save_tensors
 
-__all__ = ["make_specs", "owned_shards", "write_step", "make_tensors", "tensor_sha256"]
+__all__ = [
+    "doc_snippet_read_tensor",
+    "make_specs",
+    "make_tensors",
+    "owned_shards",
+    "raw_bytes",
+    "tensor_sha256",
+    "write_step",
+]
 
 # Odd sizes on purpose: uneven splits, a tensor smaller than the world size, a scalar, an
 # empty tensor, and the optimizer/buffer naming the engine uses.
@@ -67,3 +76,19 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(
         flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     ).hexdigest()
+
+
+def doc_snippet_read_tensor():
+    """``read_tensor`` from docs/format.md's plain-zarr snippet, executed as written, so
+    the documentation and the tests cannot drift apart."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text()
+    section = doc.split("### Rebuilding a tensor with plain zarr", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/format.md", "exec"), namespace)
+    return namespace["read_tensor"]
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    flat = t.reshape(-1).contiguous()
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

@@ -10,11 +10,17 @@ import json
 import uuid
 import warnings
 
-import numpy as np
 import pytest
 import torch
 import zarr
-from _store_helpers import make_specs, make_tensors, owned_shards, write_step
+from _store_helpers import (
+    doc_snippet_read_tensor,
+    make_specs,
+    make_tensors,
+    owned_shards,
+    raw_bytes,
+    write_step,
+)
 
 from zerostate.errors import (
     CheckpointNotFoundError,
@@ -35,7 +41,7 @@ from zerostate.store import (
     open_storage,
     remove_partial_steps,
 )
-from zerostate.store.format import COMMIT_PATH, chunk_path
+from zerostate.store.format import COMMIT_PATH
 
 
 class Root:
@@ -120,8 +126,17 @@ class StoreConformance:
             assert info.nbytes == tensors[spec.name].numel() * spec.dtype.itemsize
             got = st.read(spec.name)
             assert got.dtype == spec.dtype and torch.equal(got, tensors[spec.name]), spec.name
-        # really split: the big tensors have one chunk per rank
-        assert len(st.tensors["model/h.0.attn.weight"].chunks) == 3
+        # really split: the big tensors have one chunk per rank, all in one row object each
+        assert st.tensors["model/h.0.attn.weight"].layout.num_chunks == 3
+        assert {g for g, _, _ in st.row_objects()} == {
+            "model",
+            "optim/exp_avg",
+            "optim/exp_avg_sq",
+            "buffers",
+            "rng/rank-00001",
+            "_top",
+        }
+        assert len(st.row_objects()) <= 6 * 3
 
     def test_read_range_crosses_chunks_and_fills_out(self, ckpt):
         tensors = make_tensors()
@@ -151,14 +166,12 @@ class StoreConformance:
             warnings.simplefilter("error")  # a foreign object in the hierarchy would warn
             group = zarr.open_group(url, mode="r", storage_options=ckpt.storage_options)
             members = dict(group.members(max_depth=None))
+        assert isinstance(members["model"], zarr.Array) and members["model"].shape[0] == 3
+        read_tensor = doc_snippet_read_tensor()
         for name, t in tensors.items():
-            arr = members[name]
-            data = arr[:]  # zarr decodes bytes + crc32c codecs and checks the checksum
-            if arr.attrs["torch_dtype"] == "bfloat16":
-                got = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
-            else:
-                got = torch.from_numpy(np.ascontiguousarray(data))
-            assert torch.equal(got.reshape(arr.attrs["shape"]), t), name
+            got = read_tensor(url, name, ckpt.storage_options)  # zarr checks every crc32c
+            assert list(got.shape) == list(t.shape), name
+            assert got.tobytes() == raw_bytes(t), name
 
     def test_verify_clean_reports_progress(self, ckpt):
         tensors = make_tensors()
@@ -166,7 +179,7 @@ class StoreConformance:
         seen = []
         ckpt.open().step(2).verify(progress=seen.append)
         assert sum(seen) == sum(t.numel() * t.element_size() for t in tensors.values())
-        assert len(seen) == sum(len(i.chunks) for i in ckpt.open().step(2).tensors.values())
+        assert len(seen) == len(ckpt.open().step(2).row_objects())  # one call per row
 
     def test_incremental_writes_and_attrs_from_rank0(self, ckpt):
         tensors = make_tensors()
@@ -181,25 +194,46 @@ class StoreConformance:
         assert st.attrs == {"rank": 0}
         assert all(torch.equal(st.read(n), t) for n, t in tensors.items())
 
-    def test_large_chunk_is_streamed(self, ckpt, monkeypatch):
+    def test_large_row_is_streamed(self, ckpt, monkeypatch):
+        import fsspec
+
         from zerostate.store import storage
 
         monkeypatch.setattr(storage, "STREAM_THRESHOLD", 6 << 20)
         monkeypatch.setattr(storage, "STREAM_BLOCK", 5 << 20)  # S3's smallest part size
-        streamed = []
-        original = storage.FsspecStorage._stream
-        monkeypatch.setattr(
-            storage.FsspecStorage,
-            "_stream",
-            lambda self, t, v: streamed.append(t) or original(self, t, v),
-        )
+        monkeypatch.setattr(storage, "MULTIPART_PART_NBYTES", 5 << 20)
+        streamed, parts = [], []
+        original = fsspec.spec.AbstractFileSystem.open
+
+        def spy(self, path, mode="rb", *args, **kwargs):
+            if "w" in mode and kwargs.get("block_size") == 5 << 20:  # the streaming path
+                streamed.append(path.rsplit("/", 4)[-4:])
+            return original(self, path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(fsspec.spec.AbstractFileSystem, "open", spy)
+        multipart = storage.FsspecStorage._parallel_multipart
+
+        def spy_multipart(self, target, make_parts):
+            def counted():
+                for part in make_parts():
+                    parts.append(len(part))
+                    yield part
+
+            streamed.append(target.rsplit("/", 4)[-4:])
+            return multipart(self, target, counted)
+
+        monkeypatch.setattr(storage.FsspecStorage, "_parallel_multipart", spy_multipart)
         big = {"model/big": torch.arange(3_000_001, dtype=torch.float32)}
         ckpt.write(1, big, world_size=1)
         st = ckpt.open().step(1)
-        assert st.tensors["model/big"].chunks[0].nbytes == 3_000_001 * 4 + 4
+        [(group, rank, nbytes)] = st.row_objects()
+        assert (group, rank) == ("model", 0) and nbytes > 3_000_001 * 4
         assert torch.equal(st.read("model/big"), big["model/big"])
         st.verify()
-        assert len(streamed) == (0 if ckpt.storage().has_directories else 1)
+        local = ckpt.storage().has_directories
+        assert streamed == ([] if local else [["model", "c", "0", "0"]])
+        if parts:  # S3: many small pieces, never the row joined into one buffer
+            assert sum(parts) == nbytes and max(parts) < nbytes // 2
 
     # ---------------------------------------------------------------- validation
     def test_shards_validated_before_any_byte(self, ckpt):
@@ -304,49 +338,61 @@ class StoreConformance:
             reader.step()
 
     # ------------------------------------------------------------------ damage
-    def _damaged(self, ckpt, fn, name="model/h.0.attn.weight", index=1):
+    def _damaged(self, ckpt, fn, name="model/h.0.attn.weight", element=None):
+        """Write step 1, damage the row object holding ``element`` of ``name`` (default:
+        the first element of its second chunk, so on rank 1) and open the step."""
         tensors = make_tensors()
         ckpt.write(1, tensors)
-        path = f"step-00000001/{chunk_path(name, index)}"
-        fn(ckpt, path)
+        st = ckpt.open().step(1)
+        layout = st.tensors[name].layout
+        path, offset = st.locate(name, layout.chunk_numel if element is None else element)
+        fn(ckpt, path, offset)
         return ckpt.open().step(1)
 
-    def test_flipped_byte_names_tensor_and_chunk(self, ckpt):
-        def flip(ckpt, path):
-            ckpt.rewrite(path, lambda b: b[:100] + bytes([b[100] ^ 0x10]) + b[101:])
+    def test_flipped_byte_names_tensor_and_row(self, ckpt):
+        def flip(ckpt, path, at):
+            ckpt.rewrite(path, lambda b: b[:at] + bytes([b[at] ^ 0x10]) + b[at + 1 :])
 
         st = self._damaged(ckpt, flip)
-        pattern = r"tensor 'model/h.0.attn.weight' chunk 1 .*checksum"
+        pattern = r"'model/h.0.attn.weight'.*rank 1's row of group 'model'.*checksum"
         with pytest.raises(CorruptCheckpointError, match=pattern):
             st.verify()
         with pytest.raises(CorruptCheckpointError, match=pattern):
             st.read("model/h.0.attn.weight")
-        # undamaged chunks and tensors still read
+        # undamaged rows and tensors still read
         chunk = st.tensors["model/h.0.attn.weight"].layout.chunk_numel
         st.read_range("model/h.0.attn.weight", 0, chunk)
-        st.read("model/wte")
+        st.read("optim/exp_avg/h.0.attn.weight")
 
-    def test_missing_chunk(self, ckpt):
-        st = self._damaged(ckpt, lambda c, p: c.storage().remove(p))
-        with pytest.raises(CorruptCheckpointError, match="chunk 1 .*missing"):
+    def test_missing_row(self, ckpt):
+        st = self._damaged(ckpt, lambda c, p, _: c.storage().remove(p))
+        with pytest.raises(CorruptCheckpointError, match="rank 1's row .* is missing"):
             st.read("model/h.0.attn.weight")
-        with pytest.raises(CorruptCheckpointError, match="'model/h.0.attn.weight' chunk 1"):
+        with pytest.raises(CorruptCheckpointError, match="'model/h.0.attn.weight'.*missing"):
             st.verify()
 
-    def test_truncated_chunk(self, ckpt):
-        st = self._damaged(ckpt, lambda c, p: c.rewrite(p, lambda b: b[:-9]))
-        with pytest.raises(CorruptCheckpointError, match="chunk 1 .*truncated"):
+    def test_truncated_row(self, ckpt):
+        st = self._damaged(ckpt, lambda c, p, at: c.rewrite(p, lambda b: b[: at + 3]))
+        with pytest.raises(CorruptCheckpointError, match="rank 1's row .* ends early"):
             st.read("model/h.0.attn.weight")
+        with pytest.raises(CorruptCheckpointError, match="cut short|shard index"):
+            st.verify()
+
+    def test_damaged_index_found_by_verify(self, ckpt):
+        st = self._damaged(ckpt, lambda c, p, _: c.rewrite(p, lambda b: b[:-9] + bytes(9)))
+        st.read("model/h.0.attn.weight")  # reads need no index
+        with pytest.raises(CorruptCheckpointError, match="rank 1's row .*shard index"):
+            st.verify()
 
     def test_verify_lists_every_problem(self, ckpt):
-        def two(ckpt, path):
+        def two(ckpt, path, _):
             ckpt.storage().remove(path)
-            ckpt.storage().remove("step-00000001/" + chunk_path("model/wte", 0))
+            ckpt.storage().remove(path.replace("/model/", "/optim/exp_avg/"))
 
         st = self._damaged(ckpt, two)
         with pytest.raises(CorruptCheckpointError, match="2 problem") as info:
             st.verify()
-        assert "'model/wte' chunk 0" in str(info.value)
+        assert "'optim/exp_avg/h.0.attn.weight'" in str(info.value)
 
     @pytest.mark.parametrize(
         "garbage",
@@ -367,11 +413,11 @@ class StoreConformance:
 
     def test_unknown_format_version(self, ckpt):
         def bump(record):
-            record["format_version"] = 2
+            record["format_version"] = 3
             record["tensors"] = "whatever a future version stores"
 
         self._edit_record(ckpt, bump)
-        with pytest.raises(FormatVersionError, match="version 2"):
+        with pytest.raises(FormatVersionError, match="version 3"):
             ckpt.open().step(1)
 
     @pytest.mark.parametrize(

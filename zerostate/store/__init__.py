@@ -1,5 +1,6 @@
-"""The sharded state store (format v1): every rank writes its own chunks, any number of
-ranks read them back. ``docs/format.md`` specifies the on-storage format."""
+"""The sharded state store: every rank writes one row object per state group (format 2;
+format 1 checkpoints are still read), any number of ranks read them back.
+``docs/format.md`` specifies the on-storage format."""
 
 from zerostate.store.format import FORMAT_VERSION, ChunkRecord, TensorInfo
 from zerostate.store.reader import (
@@ -11,6 +12,8 @@ from zerostate.store.reader import (
     prune_steps,
     remove_partial_steps,
 )
+from zerostate.store.reader_v2 import StepReaderV2
+from zerostate.store.rows import LazyShard
 from zerostate.store.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from zerostate.store.tensors import owned_shards, plan_specs, save_tensors
 from zerostate.store.writer import StepExistsError, StepWriter, TensorSpec
@@ -21,9 +24,11 @@ __all__ = [
     "ChunkRecord",
     "ChunkRef",
     "FsspecStorage",
+    "LazyShard",
     "LocalStorage",
     "StepExistsError",
     "StepReader",
+    "StepReaderV2",
     "StepWriter",
     "Storage",
     "TensorInfo",

@@ -1,10 +1,11 @@
-"""Format v1 of the sharded state store: names, paths, dtypes and JSON documents.
+"""Names, paths, dtypes and JSON documents of the sharded state store (formats 1 and 2).
 
 Pure functions, no I/O. ``docs/format.md`` is the specification; this module is its
 executable half, shared by the writer and the reader so both agree byte for byte.
 
 [Note: step layout]
-A step is a zarr v3 group ``ROOT/step-<8 digits>/``::
+Format 2 (written today) is described in ``rows.py`` ([Note: rows]) and ``format2.py``.
+In format 1 (still read) a step is a zarr v3 group ``ROOT/step-<8 digits>/``::
 
     zarr.json                                  root group (rank 0)
     <g>/zarr.json                              every intermediate group of a tensor name (rank 0)
@@ -42,7 +43,9 @@ from zerostate.partition import TensorLayout
 if sys.byteorder != "little":  # chunks are written straight from memory
     raise ImportError("zerostate.store supports little-endian hosts only")
 
-FORMAT_VERSION = 1
+#: The version the writer writes; readers also read every version in READ_VERSIONS.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 META_DIR = "_zerostate"
 COMMIT_PATH = f"{META_DIR}/commit/zarr.json"
 MANIFEST_DIR = f"{META_DIR}/manifests"
@@ -261,7 +264,9 @@ class TensorInfo:
     dtype: torch.dtype
     layout: TensorLayout
     attrs: dict = field(default_factory=dict)
-    chunks: tuple[ChunkRecord, ...] = ()
+    chunks: tuple[ChunkRecord, ...] = ()  # format 1: one record per chunk object
+    group: str | None = None  # format 2: the group (zarr array) holding its bytes
+    offset: int = 0  # format 2: byte offset of its slot in every row of the group
 
     @property
     def numel(self) -> int:
@@ -303,14 +308,14 @@ def _int(value: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
     return value
 
 
-def check_format_version(record: dict, where: str) -> int:
+def check_format_version(record: dict, where: str, allowed: tuple[int, ...] = READ_VERSIONS) -> int:
     version = record.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise CorruptCheckpointError(f"{where} has no integer format_version")
-    if version != FORMAT_VERSION:
+    if version not in allowed:
         raise FormatVersionError(
-            f"{where} is format version {version}; this zerostate reads version "
-            f"{FORMAT_VERSION} only: upgrade zerostate to read it"
+            f"{where} is format version {version}; this zerostate reads versions "
+            f"{', '.join(map(str, allowed))} only: upgrade zerostate to read it"
         )
     return version
 
@@ -322,7 +327,7 @@ def parse_commit_record(
 
     Every name and number is checked before use: the record may come from anyone.
     """
-    check_format_version(record, where)
+    check_format_version(record, where, (1,))
     step = _int(record.get("step"), f"{where}: step", 0, MAX_STEP)
     if step != expected_step:
         raise CorruptCheckpointError(

@@ -86,6 +86,12 @@ class CheckpointReader:
                 f"{self.steps()[-10:]})"
             ) from None
         record = fmt.parse_document(raw, "zerostate_commit", where)
+        if fmt.check_format_version(record, where) == 2:
+            from zerostate.store import format2
+            from zerostate.store.reader_v2 import StepReaderV2
+
+            parsed = format2.parse_commit_record(record, step, where)
+            return StepReaderV2(self._storage, directory, step, parsed, self._num_threads)
         world_size, attrs, tensors, files = fmt.parse_commit_record(record, step, where)
         return StepReader(
             self._storage, directory, step, world_size, attrs, tensors, files, self._num_threads
@@ -93,9 +99,10 @@ class CheckpointReader:
 
 
 class StepReader:
-    """One committed step. Thread-safe; reads use a small pool (``close`` frees it)."""
+    """One committed format-1 step (``StepReaderV2`` reads format 2 with the same
+    interface). Thread-safe; reads use a small pool (``close`` frees it)."""
 
-    format_version = fmt.FORMAT_VERSION
+    format_version = 1
 
     def __init__(
         self,
@@ -144,6 +151,18 @@ class StepReader:
                 self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="zs-read")
             pool = self._pool
         return list(pool.map(fn, items))
+
+    @property
+    def object_count(self) -> int:
+        """Objects of the step: chunks, metadata documents, manifests, commit record."""
+        chunks = sum(len(i.chunks) for i in self.tensors.values())
+        return chunks + len(self._files) + self.world_size + 1
+
+    def rank_state(self, rank: int) -> dict | None:
+        """Per-rank JSON state; format 1 has none."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        return None
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -198,6 +217,28 @@ class StepReader:
         raised and ``out`` may hold part of the data.
         """
         info = self.info(name)
+        start, stop, out = self._check_range(info, start, stop, out)
+        numel = stop - start
+        if numel == 0:
+            return out
+        dest = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        size = info.dtype.itemsize
+
+        def copy(read: Any) -> None:
+            self._read_chunk_into(
+                name,
+                read.chunk_index,
+                read.chunk_start * size,
+                dest[read.out_start * size : (read.out_start + read.numel) * size],
+            )
+
+        self._map(copy, chunk_reads(info.layout, start, stop))
+        return out
+
+    def _check_range(
+        self, info: TensorInfo, start: int, stop: int, out: torch.Tensor | None
+    ) -> tuple[int, int, torch.Tensor]:
+        name = info.name
         try:
             start, stop = operator.index(start), operator.index(stop)
         except TypeError as exc:
@@ -218,21 +259,7 @@ class StepReader:
                 f"{name}: out must be a contiguous 1-D CPU {info.dtype} tensor of {numel} "
                 f"elements, got {out.dtype} {tuple(out.shape)} on {out.device}"
             )
-        if numel == 0:
-            return out
-        dest = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        size = info.dtype.itemsize
-
-        def copy(read: Any) -> None:
-            self._read_chunk_into(
-                name,
-                read.chunk_index,
-                read.chunk_start * size,
-                dest[read.out_start * size : (read.out_start + read.numel) * size],
-            )
-
-        self._map(copy, chunk_reads(info.layout, start, stop))
-        return out
+        return start, stop, out
 
     def _read_chunk_into(self, name: str, index: int, offset: int, dest: memoryview) -> None:
         """Verify chunk ``index`` of ``name`` and land its payload bytes

@@ -4,13 +4,13 @@ Online loads already reshard (every rank reads its new range through ``read_rang
 this is for moving a checkpoint between clusters, or for making a step whose chunk grid
 matches the job that will read it many times.
 
-The new plan is :func:`~zerostate.partition.plan_layouts` over the source tensors in the
-source's tensor order, so it is exactly the plan an engine of ``world_size`` ranks with the
-same tensors computes. One :class:`StepWriter` per new rank is opened; each tensor's source
-chunks are streamed once, in order (verified), and cut into the new chunk grid (1-D range
-intersection), each new chunk going to its owner's writer as soon as it is complete. The
-step is then committed as usual: every rank's manifest first, the commit record last.
-Host memory is one new chunk plus two source chunks, never the model. Attributes are
+The new plan splits every tensor evenly over ``world_size`` ranks (``even_layout``, what
+``plan_specs`` does; ``min_shard_numel`` selects ``plan_layouts``' older placement), and
+the step is written in the current format (2) whatever the source's format. One
+:class:`StepWriter` per new rank, in turn, streams that rank's rows: each row pulls its
+bytes from the source through verified ranged reads, a block at a time, as it goes out.
+The step is then committed as usual: every rank's manifest first, the commit record last.
+Host memory is a few blocks per group being written, never the model. Attributes are
 copied; those that record the world size are updated, and ``resharded_from`` records the
 source.
 """
@@ -19,21 +19,23 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zerostate.errors import ConfigError
-from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL, TensorLayout, plan_layouts
-from zerostate.store.consolidate import iter_chunk_payloads
+from zerostate.partition import even_layout, plan_layouts
 from zerostate.store.reader import delete_step, open_checkpoint, remove_partial_steps
+from zerostate.store.rows import LazyShard
 from zerostate.store.storage import canonical_location, locations_overlap
 from zerostate.store.writer import StepWriter, TensorSpec
 
 #: Called as ``progress(bytes_done, bytes_total)``.
 ProgressFn = Callable[[int, int], None]
+#: Source bytes read per request while streaming a new row.
+BLOCK_NBYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,7 @@ def reshard(
     world_size: int,
     *,
     step: int | None = None,
-    min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL,
+    min_shard_numel: int | None = None,
     storage_options: dict | None = None,
     dst_storage_options: dict | None = None,
     force: bool = False,
@@ -94,16 +96,28 @@ def reshard(
     remove_partial_steps(dst, storage_options=dst_storage_options, only_step=st.step)
 
     infos = list(st.tensors.values())
-    layouts = plan_layouts([int(i.numel) for i in infos], world_size, min_shard_numel)
+    numels = [int(i.numel) for i in infos]
+    if min_shard_numel is None:
+        layouts = [even_layout(n, world_size) for n in numels]
+    else:
+        layouts = plan_layouts(numels, world_size, min_shard_numel)
     specs = [
         TensorSpec(i.name, tuple(i.shape), i.dtype, layout, dict(i.attrs or {}))
         for i, layout in zip(infos, layouts, strict=True)
     ]
     attrs = _updated_attrs(st.attrs, st.world_size, world_size, st.step)
-    # One writer per new rank, all open at once, so each source chunk is read exactly once
-    # and handed to whichever new ranks' ranges it overlaps.
-    writers = [
-        StepWriter(
+    total = sum(int(i.nbytes) for i in infos)
+    done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    # Rank 0 goes last: its commit waits for every other rank's manifest.
+    for rank in [*range(1, world_size), 0]:
+        writer = StepWriter(
             dst,
             st.step,
             rank=rank,
@@ -111,53 +125,37 @@ def reshard(
             specs=specs,
             attrs=attrs,
             storage_options=dst_storage_options,
+            progress=advance,
         )
-        for rank in range(world_size)
-    ]
-    total = sum(int(i.nbytes) for i in infos)
-    done = 0
-    for info, layout in zip(infos, layouts, strict=True):
-        for rank, shard in _new_chunks(st, info, layout):
-            writers[rank].write({info.name: shard})
-            done += shard.numel() * info.dtype.itemsize
-            if progress is not None:
-                progress(done, total)
-    # Rank 0 commits last: it waits for every other rank's manifest, then commits.
-    for writer in writers[1:]:
-        writer.commit(wait=False)
-    writers[0].commit(wait=True)
-    if progress is not None and not infos:
+        shards = {}
+        for info, layout in zip(infos, layouts, strict=True):
+            lo, hi = layout.owned_range(rank)
+            if hi > lo:
+                shards[info.name] = LazyShard(hi - lo, info.dtype, _SourceRange(st, info, lo, hi))
+        writer.write(shards)
+        writer.commit(wait=rank == 0)
+    if progress is not None and not total:
         progress(0, 0)
     return ReshardResult(st.step, int(st.world_size), world_size, len(infos), total)
 
 
-def _new_chunks(st: Any, info: Any, layout: TensorLayout) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(new owner, data)`` for each chunk of ``layout``, assembled from source chunks.
+class _SourceRange:
+    """Bytes of elements ``[lo, hi)`` of a source tensor, read in verified blocks of up to
+    ``BLOCK_NBYTES`` as the new row streams past them (one block in memory)."""
 
-    One reusable buffer of one new chunk plus at most two source chunks are in memory;
-    the buffer is refilled only after the writer has written (and released) it.
-    """
-    if layout.num_chunks == 0:
-        return
-    itemsize = info.dtype.itemsize
-    buffer = torch.empty(layout.chunk_numel, dtype=info.dtype)
-    dest = buffer.view(torch.uint8).numpy()
-    index, (lo, hi) = 0, layout.chunk_range(0)
-    for src in iter_chunk_payloads(st, [info.name]):
-        pos = src.start
-        while pos < src.stop:
-            take = min(src.stop, hi) - pos
-            at, off = (pos - lo) * itemsize, (pos - src.start) * itemsize
-            dest[at : at + take * itemsize] = src.payload[off : off + take * itemsize]
-            pos += take
-            if pos == hi:
-                yield layout.chunk_owner(index), buffer[: hi - lo]
-                index += 1
-                if index == layout.num_chunks:
-                    break
-                lo, hi = layout.chunk_range(index)
-        del src  # drop it before the iterator fetches the one after next
-    assert index == layout.num_chunks, "source chunks did not cover the tensor"
+    def __init__(self, st: Any, info: Any, lo: int, hi: int) -> None:
+        self.st, self.info, self.lo, self.hi = st, info, lo, hi
+        self.block_lo, self.block = 0, memoryview(b"")
+
+    def __call__(self, offset: int, nbytes: int) -> memoryview:
+        item = self.info.dtype.itemsize
+        end = offset + nbytes
+        if not (self.block_lo <= offset and end <= self.block_lo + self.block.nbytes):
+            first = offset // item
+            stop = min(self.hi - self.lo, max(-(-end // item), first + BLOCK_NBYTES // item))
+            data = self.st.read_range(self.info.name, self.lo + first, self.lo + stop)
+            self.block_lo, self.block = first * item, memoryview(data.view(torch.uint8).numpy())
+        return self.block[offset - self.block_lo : end - self.block_lo]
 
 
 def _updated_attrs(attrs: dict, src_world_size: int, world_size: int, step: int) -> dict:
@@ -169,4 +167,3 @@ def _updated_attrs(attrs: dict, src_world_size: int, world_size: int, step: int)
                     holder[key] = world_size
     out["resharded_from"] = {"world_size": int(src_world_size), "step": int(step)}
     return out
-

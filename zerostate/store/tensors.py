@@ -12,17 +12,24 @@ from typing import Any
 
 import torch
 
-from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL, plan_layouts
+from zerostate.partition import even_layout, plan_layouts
 from zerostate.store.writer import StepWriter, TensorSpec
 
 
 def plan_specs(
     tensors: Mapping[str, torch.Tensor],
     world_size: int,
-    min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL,
+    min_shard_numel: int | None = None,
 ) -> list[TensorSpec]:
-    """One :class:`TensorSpec` per tensor, laid out by ``plan_layouts`` in mapping order."""
-    layouts = plan_layouts([t.numel() for t in tensors.values()], world_size, min_shard_numel)
+    """One :class:`TensorSpec` per tensor. By default every tensor is split evenly over
+    the ranks (``even_layout``: format 2 stores a rank's pieces of all tensors in one row,
+    so small pieces cost no objects); ``min_shard_numel`` gives ``plan_layouts``' older
+    placement, in mapping order, which keeps small tensors whole on one rank."""
+    numels = [t.numel() for t in tensors.values()]
+    if min_shard_numel is None:
+        layouts = [even_layout(n, world_size) for n in numels]
+    else:
+        layouts = plan_layouts(numels, world_size, min_shard_numel)
     return [
         TensorSpec(name, tuple(t.shape), t.dtype, layout)
         for (name, t), layout in zip(tensors.items(), layouts, strict=True)
@@ -47,13 +54,15 @@ def save_tensors(
     tensors: Mapping[str, torch.Tensor],
     *,
     world_size: int = 1,
-    min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL,
+    min_shard_numel: int | None = None,
     attrs: dict | None = None,
     storage_options: dict | None = None,
     ranks: Iterable[int] | None = None,
     progress: Callable[[int], Any] | None = None,
+    rank_states: Mapping[int, dict] | None = None,
 ) -> list[TensorSpec]:
     """Write ``tensors`` (full, CPU) as step ``step`` of a ``world_size``-rank checkpoint.
+    ``rank_states`` gives ranks their ``rank_state`` (see :class:`StepWriter`).
 
     ``ranks`` writes only those ranks and does not commit (what a crashed save leaves);
     by default every rank writes and rank 0 commits last. Returns the specs written.
@@ -71,6 +80,7 @@ def save_tensors(
             attrs=attrs,
             storage_options=storage_options,
             progress=progress,
+            rank_state=(rank_states or {}).get(rank),
         )
         writer.write(owned_shards(tensors, specs, rank))
         if commit:

@@ -1,13 +1,15 @@
-"""Writing one step: every rank writes the chunks it owns, then its manifest; rank 0 commits.
+"""Writing one step (format 2): every rank writes one row object per state group, then its
+manifest; rank 0 commits.
 
 [Note: commit protocol]
-1. Each rank writes the chunk objects it owns (``layout.chunk_owner(i) == rank``) and its
-   share of the zarr metadata, durably (see [Note: durability] in ``storage.py``).
+1. Each rank streams its row of every group it stores bytes of (see [Note: rows] in
+   ``rows.py``) as one object, durably (see [Note: durability] in ``storage.py``); rank 0
+   also writes the zarr group and array documents.
 2. Once all of them are durable, the rank writes ``_zerostate/manifests/rank-<r>/zarr.json``
-   listing every object it wrote with its size and crc32c.
+   listing every object it wrote with its size and checksums, plus its ``rank_state``.
 3. Rank 0 polls storage until it has read a valid manifest from every rank, checks that
-   together they cover every chunk exactly once, and writes ``_zerostate/commit/zarr.json``
-   last. The step exists for readers iff that record exists.
+   together they hold exactly the rows the plan expects, and writes
+   ``_zerostate/commit/zarr.json`` last. The step exists for readers iff that record exists.
 4. Other ranks, if asked to wait, poll storage for the commit record.
 Coordination goes through storage, not ``torch.distributed``, because async saves run this
 on a background thread where collectives on the training process group are not allowed.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -37,16 +39,10 @@ from zerostate.errors import (
 )
 from zerostate.partition import TensorLayout
 from zerostate.store import format as fmt
+from zerostate.store import format2
 from zerostate.store.format import ChunkRecord
+from zerostate.store.rows import LazyShard, Source, row_parts, row_path
 from zerostate.store.storage import open_storage
-
-
-def _metadata_owner(name: str, layout: TensorLayout) -> int:
-    """Rank that writes the array's ``zarr.json``: one of its chunk owners, picked by a
-    hash of the name so the small writes spread over ranks whatever the spec order."""
-    if not layout.num_chunks:
-        return 0
-    return layout.chunk_owner(crc32c.crc32c(name.encode()) % layout.num_chunks)
 
 
 class StepExistsError(CheckpointError, FileExistsError):
@@ -97,11 +93,13 @@ class TensorSpec:
 class StepWriter:
     """This rank's part of saving step ``step`` under ``root``; see [Note: commit protocol].
 
-    ``write`` may be called several times with disjoint sets of tensors; the manifest is
-    written once every chunk this rank owns has been written. Every rank must pass the
-    same ``specs`` (checked at commit); rank 0's ``attrs`` are the ones committed.
-    ``save_id``, when given (the same string on every rank), makes rank 0 ignore manifests
-    left behind by an earlier attempt at the same step.
+    ``write`` may be called several times with disjoint sets of tensors; a group's row is
+    written as soon as every tensor this rank stores in it was given (the tensors must stay
+    unchanged until then), and the manifest once every row is durable. Every rank must pass
+    the same ``specs`` (checked at commit); rank 0's ``attrs`` are the ones committed.
+    ``rank_state`` is a JSON object (at most 4 MiB) kept in this rank's manifest and read
+    back with ``StepReader.rank_state(rank)``. ``save_id``, when given (the same string on
+    every rank), makes rank 0 ignore manifests left behind by an earlier attempt.
     """
 
     def __init__(
@@ -118,6 +116,7 @@ class StepWriter:
         num_threads: int = 8,
         progress: Callable[[int], Any] | None = None,
         save_id: str | None = None,
+        rank_state: dict | None = None,
     ) -> None:
         if not isinstance(world_size, int) or not 1 <= world_size <= fmt.MAX_RANKS + 1:
             raise ConfigError(
@@ -132,6 +131,7 @@ class StepWriter:
         self.step, self.rank, self.world_size = step, rank, world_size
         self._dir = fmt.step_dir(step)
         self._attrs = fmt.check_json(dict(attrs or {}), "attrs")
+        self._rank_state = format2.check_rank_state(rank_state)
         self._save_id = save_id
         self._timeout_s, self._num_threads, self._progress = float(timeout_s), num_threads, progress
         for spec in specs:
@@ -144,14 +144,18 @@ class StepWriter:
                 )
         fmt.check_name_tree([s.name for s in specs])
         self._specs = {s.name: s for s in specs}
-        self._tensors_json = {
-            s.name: fmt.spec_json(s.name, s.shape, s.dtype, s.layout, s.attrs or {}) for s in specs
-        }
+        self._tensors_json, self._plans = format2.tensor_entries(specs, world_size)
         self._digest = fmt.specs_digest(self._tensors_json)
         self._storage = open_storage(root, storage_options)
-        self._owned = {n: s.layout.owned_chunk(rank) for n, s in self._specs.items()}
-        self._owned = {n: i for n, i in self._owned.items() if i is not None}
-        self._chunks: dict[str, tuple[int, ChunkRecord]] = {}
+        # Groups this rank stores bytes of, and the tensors each row waits for.
+        self._waiting = {
+            g: {slot.name for _, _, slot in plan.spans(rank)}
+            for g, plan in self._plans.items()
+            if plan.num_present(rank)
+        }
+        self._sources: dict[str, Source] = {}
+        self._given: set[str] = set()
+        self._rows: dict[str, format2.RowRecord] = {}
         self._files: dict[str, ChunkRecord] = {}
         self._lock = threading.Lock()
         # Pool threads record results while write() holds self._lock: a separate lock.
@@ -167,33 +171,39 @@ class StepWriter:
         return f"{self._dir}/{rel}"
 
     # ------------------------------------------------------------------ write
-    def write(self, shards: dict[str, torch.Tensor]) -> None:
+    def write(self, shards: dict[str, torch.Tensor | LazyShard]) -> None:
         """Write this rank's owned range of the given tensors (1-D CPU, exact size)."""
         with self._lock:
-            jobs = self._validate(shards)
+            self._validate(shards)
             self._prepare()
-            self._run(jobs)
+            ready = [g for g, names in self._waiting.items() if names <= self._given]
+            ready = [g for g in ready if g not in self._rows]
+            self._run(ready)
             self._maybe_write_manifest()
 
-    def _validate(self, shards: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
+    def _validate(self, shards: dict[str, torch.Tensor | LazyShard]) -> None:
         if not isinstance(shards, dict):
             raise ConfigError(f"shards must be a dict name -> tensor, got {type(shards).__name__}")
-        jobs = []
+        accepted: dict[str, Source] = {}
         for name, shard in shards.items():
             spec = self._specs.get(name)
             if spec is None:
                 raise ConfigError(f"shard {name!r} is not among this writer's specs")
-            if name in self._chunks:
+            if name in self._given:
                 raise ConfigError(f"shard {name!r} was already written by this writer")
             start, stop = spec.layout.owned_range(self.rank)
-            if not isinstance(shard, torch.Tensor):
+            if not isinstance(shard, (torch.Tensor, LazyShard)):
                 raise ConfigError(f"{name}: shard must be a torch.Tensor, got {type(shard)}")
+            numel = shard.numel if isinstance(shard, LazyShard) else shard.numel()
             problem = None
             if shard.dtype != spec.dtype:
                 problem = f"dtype {shard.dtype}, spec says {spec.dtype}"
+            elif isinstance(shard, LazyShard):
+                if numel != stop - start:
+                    problem = f"{numel} elements; rank {self.rank} owns [{start}, {stop})"
             elif shard.device.type != "cpu":
                 problem = f"on {shard.device}; copy it to CPU first"
-            elif shard.dim() != 1 or shard.numel() != stop - start:
+            elif shard.dim() != 1 or numel != stop - start:
                 problem = (
                     f"shape {tuple(shard.shape)}; rank {self.rank} owns elements "
                     f"[{start}, {stop}): pass a 1-D tensor of {stop - start}"
@@ -202,24 +212,28 @@ class StepWriter:
                 problem = "not contiguous; pass shard.contiguous()"
             if problem:
                 raise ConfigError(f"shard {name!r}: {problem}")
-            if name in self._owned:
-                jobs.append((name, self._owned[name], shard.detach()))
-        return jobs
+            if isinstance(shard, LazyShard):
+                accepted[name] = shard
+            elif numel:
+                # A byte view of the caller's tensor: the row is written without a copy.
+                accepted[name] = memoryview(shard.detach().view(torch.uint8).numpy()).cast("B")
+        for name in shards:
+            self._given.add(name)
+        self._sources.update(accepted)
 
     def _metadata_files(self) -> dict[str, bytes]:
-        """The zarr documents this rank writes (see [Note: step layout] in format.py)."""
-        docs: dict[str, bytes] = {}
-        if self.rank == 0:
-            docs["zarr.json"] = fmt.group_document(
-                {"zerostate": {"format_version": fmt.FORMAT_VERSION, "step": self.step}}
+        """The zarr documents this rank writes: all of them on rank 0, none elsewhere."""
+        if self.rank != 0:
+            return {}
+        docs = {
+            "zarr.json": fmt.group_document(
+                {"zerostate": {"format_version": format2.VERSION, "step": self.step}}
             )
-            for group in [fmt.META_DIR, fmt.MANIFEST_DIR, *fmt.group_paths(list(self._specs))]:
-                docs[f"{group}/zarr.json"] = fmt.group_document()
-        for name, spec in self._specs.items():
-            if _metadata_owner(name, spec.layout) == self.rank:
-                docs[f"{name}/zarr.json"] = fmt.array_document(
-                    spec.shape, spec.dtype, spec.layout, spec.attrs or {}
-                )
+        }
+        for group in [fmt.META_DIR, fmt.MANIFEST_DIR, *fmt.group_paths(list(self._plans))]:
+            docs[f"{group}/zarr.json"] = fmt.group_document()
+        for name, plan in self._plans.items():
+            docs[f"{name}/zarr.json"] = fmt.dumps(plan.array_document())
         return docs
 
     def _prepare(self) -> None:
@@ -235,20 +249,20 @@ class StepWriter:
         if self._storage.has_directories:
             dirs = {self._dir, self._path(fmt.manifest_path(self.rank)).rsplit("/", 1)[0]}
             dirs.update(self._path(p).rsplit("/", 1)[0] for p in docs)
-            dirs.update(self._path(f"{name}/c") for name in self._owned)
+            dirs.update(self._path(row_path(g, self.rank)).rsplit("/", 1)[0] for g in self._waiting)
             if self.rank == 0:
                 dirs.add(self._path(fmt.COMMIT_PATH).rsplit("/", 1)[0])
             self._storage.makedirs(sorted(dirs))
         self._pending_docs = docs
         self._prepared = True
 
-    def _run(self, jobs: list[tuple[str, int, torch.Tensor]]) -> None:
+    def _run(self, groups: list[str]) -> None:
         docs = dict(self._pending_docs)  # each leaves _pending_docs once it is written
-        if not jobs and not docs:
+        if not groups and not docs:
             return
         with ThreadPoolExecutor(self._num_threads, thread_name_prefix="zs-write") as pool:
             futures = {pool.submit(self._write_doc, p, d): None for p, d in docs.items()}
-            futures.update({pool.submit(self._write_chunk, *job): job for job in jobs})
+            futures.update({pool.submit(self._write_row, g): g for g in groups})
             pending = set(futures)
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
@@ -257,9 +271,6 @@ class StepWriter:
                         for other in pending:
                             other.cancel()
                         raise fut.exception()  # type: ignore[misc]
-                    job = futures[fut]
-                    if job is not None and self._progress is not None:
-                        self._progress(job[2].numel() * job[2].element_size())
         self._storage.sync_dirs()
 
     def _write_doc(self, path: str, data: bytes) -> None:
@@ -268,43 +279,51 @@ class StepWriter:
             self._files[path] = ChunkRecord(len(data), crc32c.crc32c(data))
             del self._pending_docs[path]
 
-    def _write_chunk(self, name: str, index: int, shard: torch.Tensor) -> None:
-        spec = self._specs[name]
-        # A byte view of the caller's tensor: written without a copy. crc32c releases the GIL.
-        payload = memoryview(shard.view(torch.uint8).numpy()) if shard.numel() else b""
-        pad = (spec.layout.chunk_numel - shard.numel()) * spec.dtype.itemsize
-        padding = bytes(pad)  # zarr stores the edge chunk at full chunk size
-        crc = crc32c.crc32c(padding, value=crc32c.crc32c(payload))
-        tail = crc.to_bytes(fmt.CHECKSUM_NBYTES, "little")
-        self._storage.write(self._path(fmt.chunk_path(name, index)), [payload, padding, tail])
-        record = ChunkRecord(len(payload) + pad + fmt.CHECKSUM_NBYTES, crc)
+    def _write_row(self, group: str) -> None:
+        plan = self._plans[group]
+        chunk_crcs = bytearray()
+        index_tail = bytearray()
+
+        def parts() -> Iterator[Any]:
+            # Called again if the storage retries the upload: start from a clean slate.
+            chunk_crcs.clear()
+            index_tail.clear()
+            for part in row_parts(plan, self.rank, self._sources, chunk_crcs):
+                yield part
+            index_tail.extend(part)  # the last part is the index's crc32c
+
+        nbytes = plan.object_nbytes(self.rank)
+        self._storage.write_stream(self._path(row_path(group, self.rank)), parts, nbytes)
+        record = format2.RowRecord(
+            nbytes, int.from_bytes(index_tail, "little"), crc32c.crc32c(bytes(chunk_crcs))
+        )
         with self._results_lock:
-            self._chunks[name] = (index, record)
+            self._rows[group] = record
+        if self._progress is not None:
+            self._progress(sum(hi - lo for lo, hi, _ in plan.spans(self.rank)))
 
     def _maybe_write_manifest(self) -> None:
-        if (
-            self._manifest_written
-            or self._pending_docs
-            or any(n not in self._chunks for n in self._owned)
-        ):
+        if self._manifest_written or self._pending_docs or set(self._rows) != set(self._waiting):
             return
         manifest = {
-            "format_version": fmt.FORMAT_VERSION,
+            "format_version": format2.VERSION,
             "kind": "manifest",
             "step": self.step,
             "rank": self.rank,
             "world_size": self.world_size,
             "save_id": self._save_id,
             "specs_digest": self._digest,
-            "chunks": {
-                n: {"index": i, "nbytes": r.nbytes, "crc32c": r.crc32c}
-                for n, (i, r) in sorted(self._chunks.items())
-            },
+            "rows": {g: r.to_json() for g, r in sorted(self._rows.items())},
             "files": {
                 p: {"nbytes": r.nbytes, "crc32c": r.crc32c} for p, r in sorted(self._files.items())
             },
+            "rank_state": self._rank_state,
         }
         doc = fmt.group_document({"zerostate_manifest": manifest})
+        if len(doc) > format2.MAX_MANIFEST_NBYTES:
+            raise ConfigError(
+                f"rank {self.rank}'s manifest would be {len(doc)} bytes; make rank_state smaller"
+            )
         self._storage.write(self._path(fmt.manifest_path(self.rank)), [doc])
         self._storage.sync_dirs()
         self._manifest_written = True
@@ -315,7 +334,8 @@ class StepWriter:
         wait (if ``wait``) until the commit record appears. Raises CommitTimeoutError."""
         with self._lock:
             if not self._manifest_written:
-                missing = sorted(n for n in self._owned if n not in self._chunks)
+                needed = set().union(*self._waiting.values()) if self._waiting else set()
+                missing = sorted(needed - self._given)
                 if missing:
                     shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
                     raise ConfigError(
@@ -323,7 +343,7 @@ class StepWriter:
                         f"{len(missing)} tensor(s): {shown}; call write() first"
                     )
                 self._prepare()
-                self._run([])
+                self._run([g for g in self._waiting if g not in self._rows])
                 self._maybe_write_manifest()
         deadline = time.monotonic() + self._timeout_s
         if self.rank == 0:
@@ -332,7 +352,7 @@ class StepWriter:
             self._wait_for_commit(deadline)
 
     def _commit_as_rank0(self, deadline: float) -> None:
-        manifests: dict[int, dict] = {}
+        manifests: dict[int, tuple[dict, bytes]] = {}
         delay = 0.01
         while True:
             listed = set(self._storage.list_dir(self._path(fmt.MANIFEST_DIR)))
@@ -356,16 +376,16 @@ class StepWriter:
             delay = min(delay * 1.5, 0.5)
         self._write_commit_record(manifests)
 
-    def _read_manifest(self, r: int) -> dict | None:
+    def _read_manifest(self, r: int) -> tuple[dict, bytes] | None:
         where = f"manifest of rank {r} in {self.url}"
         try:
             raw = self._storage.read(self._path(fmt.manifest_path(r)))
         except FileNotFoundError:
             return None  # directory made, document not yet written
         manifest = fmt.parse_document(raw, "zerostate_manifest", where)
-        fmt.check_format_version(manifest, where)
         if manifest.get("save_id") != self._save_id and self._save_id is not None:
             return None  # left behind by an earlier attempt; the rank will overwrite it
+        fmt.check_format_version(manifest, where, (format2.VERSION,))
         if (manifest.get("step"), manifest.get("rank"), manifest.get("world_size")) != (
             self.step,
             r,
@@ -378,58 +398,62 @@ class StepWriter:
                 "(names, shapes, dtypes, layouts or attrs differ); every rank must pass the "
                 "same specs"
             )
-        return manifest
+        return manifest, raw
 
-    def _write_commit_record(self, manifests: dict[int, dict]) -> None:
-        tensors = {
-            n: dict(j, chunks=[None] * self._specs[n].layout.num_chunks)
-            for n, j in self._tensors_json.items()
-        }
+    def _write_commit_record(self, manifests: dict[int, tuple[dict, bytes]]) -> None:
+        rows: dict[str, list[dict | None]] = {g: [None] * self.world_size for g in self._plans}
         files: dict[str, dict] = {}
-        for r, manifest in sorted(manifests.items()):
-            chunks, docs = manifest.get("chunks"), manifest.get("files")
-            if not isinstance(chunks, dict) or not isinstance(docs, dict):
-                raise CorruptCheckpointError(f"manifest of rank {r} lacks chunks/files")
-            for name, spec in self._specs.items():
-                index = spec.layout.owned_chunk(r)
-                entry = chunks.get(name)
-                if (index is None) != (entry is None) or (
-                    entry is not None and entry.get("index") != index
-                ):
-                    got = entry.get("index") if isinstance(entry, dict) else None
-                    raise DistributedMismatchError(
-                        f"manifest of rank {r}: tensor {name!r} chunk {got} does not match "
-                        f"the layout (rank {r} owns chunk {index})"
+        sizes = {g: p.object_sizes().tolist() for g, p in self._plans.items()}
+        for r, (manifest, _) in sorted(manifests.items()):
+            got, docs = manifest.get("rows"), manifest.get("files")
+            if not isinstance(got, dict) or not isinstance(docs, dict):
+                raise CorruptCheckpointError(f"manifest of rank {r} lacks rows/files")
+            state = manifest.get("rank_state")
+            if state is not None and not isinstance(state, dict):
+                raise CorruptCheckpointError(f"manifest of rank {r}: rank_state is not an object")
+            expected = {g for g in self._plans if sizes[g][r]}
+            if set(got) != expected:
+                raise DistributedMismatchError(
+                    f"manifest of rank {r} lists rows of groups {sorted(got)[:10]}, the plan "
+                    f"expects {sorted(expected)[:10]}; every rank must pass the same specs"
+                )
+            for g in expected:
+                row = format2.parse_row(got[g], f"manifest of rank {r}: group {g!r}")
+                if row is None or row.nbytes != sizes[g][r]:
+                    raise CorruptCheckpointError(
+                        f"manifest of rank {r}: group {g!r} row is {got[g]!r}, the plan says "
+                        f"{sizes[g][r]} bytes"
                     )
-                if entry is not None:
-                    tensors[name]["chunks"][index] = {
-                        "nbytes": entry["nbytes"],
-                        "crc32c": entry["crc32c"],
-                    }
+                rows[g][r] = row.to_json()
             for path, entry in docs.items():
                 fmt.validate_name(path, what="metadata path", allow_meta=True)
                 files[path] = entry
-        expected = {"zarr.json", *(f"{n}/zarr.json" for n in self._specs)}
-        expected.update(f"{g}/zarr.json" for g in fmt.group_paths(list(self._specs)))
-        expected.update({f"{fmt.META_DIR}/zarr.json", f"{fmt.MANIFEST_DIR}/zarr.json"})
-        if set(files) != expected:
+        expected_files = {"zarr.json", *(f"{g}/zarr.json" for g in self._plans)}
+        expected_files.update(f"{g}/zarr.json" for g in fmt.group_paths(list(self._plans)))
+        expected_files.update({f"{fmt.META_DIR}/zarr.json", f"{fmt.MANIFEST_DIR}/zarr.json"})
+        if set(files) != expected_files:
             raise DistributedMismatchError(
                 f"step {self.step}: the manifests list metadata files "
-                f"{sorted(set(files) ^ expected)[:10]} unexpectedly (missing or extra); every "
-                "rank must pass the same specs"
+                f"{sorted(set(files) ^ expected_files)[:10]} unexpectedly (missing or extra); "
+                "every rank must pass the same specs"
             )
         record = {
-            "format_version": fmt.FORMAT_VERSION,
+            "format_version": format2.VERSION,
             "kind": "commit",
             "step": self.step,
             "world_size": self.world_size,
             "save_id": self._save_id,
             "attrs": self._attrs,
-            "tensors": tensors,
+            "tensors": self._tensors_json,
+            "groups": format2.group_entries(self._plans, rows),
+            "manifests": [
+                {"nbytes": len(raw), "crc32c": crc32c.crc32c(raw)}
+                for _, (_, raw) in sorted(manifests.items())
+            ],
             "files": files,
         }
         # Validate what we are about to commit exactly as a reader will.
-        fmt.parse_commit_record(record, self.step, f"commit record of {self.url}")
+        format2.parse_commit_record(record, self.step, f"commit record of {self.url}")
         doc = fmt.group_document({"zerostate_commit": record})
         self._storage.write(self._path(fmt.COMMIT_PATH), [doc])
         self._storage.sync_dirs()

@@ -1,0 +1,218 @@
+"""Format v2 documents: tensor entries, manifests and the commit record, and their checks.
+
+Pure functions, no I/O; ``docs/format.md`` is the specification and ``rows.py`` the row
+plan ([Note: rows]) both sides derive from the tensors' layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
+from zerostate.partition import TensorLayout
+from zerostate.store import format as fmt
+from zerostate.store.rows import GroupPlan, group_of, plan_groups, row_path
+
+VERSION = 2
+#: A rank's JSON state (RNG states, stateful objects) is kept small: it rides in the manifest.
+MAX_RANK_STATE_NBYTES = 4 << 20
+#: Manifests are read whole; anything larger than this is not one this writer made.
+MAX_MANIFEST_NBYTES = MAX_RANK_STATE_NBYTES + (4 << 20)
+MAX_INNER_NBYTES = 64 << 20
+MAX_ROW_NBYTES = 1 << 48
+
+
+@dataclass(frozen=True, slots=True)
+class RowRecord:
+    """One written row object: its size, the crc32c of its shard index and the crc32c of
+    the concatenated 4-byte checksums of its inner chunks (binds every chunk to the record)."""
+
+    nbytes: int
+    index_crc32c: int
+    chunks_crc32c: int
+
+    def to_json(self) -> dict:
+        return {
+            "nbytes": self.nbytes,
+            "index_crc32c": self.index_crc32c,
+            "chunks_crc32c": self.chunks_crc32c,
+        }
+
+
+def tensor_entries(
+    specs: list[Any], world_size: int
+) -> tuple[dict[str, dict], dict[str, GroupPlan]]:
+    """Commit-record tensor entries and group plans of writer specs."""
+    plans = plan_groups(((s.name, s.layout, s.dtype.itemsize) for s in specs), world_size)
+    offsets = {slot.name: slot.offset for plan in plans.values() for slot in plan.slots}
+    entries = {}
+    for s in specs:
+        entry = fmt.spec_json(s.name, s.shape, s.dtype, s.layout, s.attrs or {})
+        entry.update(group=group_of(s.name), offset=offsets[s.name])
+        entries[s.name] = entry
+    return entries, plans
+
+
+def group_entries(plans: dict[str, GroupPlan], rows: dict[str, list[dict | None]]) -> dict:
+    return {
+        g: {"inner_chunk_nbytes": p.inner, "row_nbytes": p.row_nbytes, "rows": rows[g]}
+        for g, p in plans.items()
+    }
+
+
+def check_rank_state(rank_state: Any) -> dict | None:
+    """Validate a rank's JSON state before it is written (writer side)."""
+    if rank_state is None:
+        return None
+    if not isinstance(rank_state, dict):
+        raise ConfigError(
+            f"rank_state must be a JSON object (dict) or None, got {type(rank_state).__name__}"
+        )
+    fmt.check_json(rank_state, "rank_state")
+    size = len(fmt.dumps(rank_state))
+    if size > MAX_RANK_STATE_NBYTES:
+        raise ConfigError(
+            f"rank_state is {size} bytes as JSON, over the {MAX_RANK_STATE_NBYTES}-byte limit; "
+            "store large per-rank data as tensors instead"
+        )
+    return rank_state
+
+
+def parse_row(entry: Any, what: str) -> RowRecord | None:
+    if entry is None:
+        return None
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{what}: expected an object or null, got {entry!r}")
+    return RowRecord(
+        fmt._int(entry.get("nbytes"), f"{what}: nbytes", 1, MAX_ROW_NBYTES),
+        fmt._int(entry.get("index_crc32c"), f"{what}: index_crc32c", 0, 0xFFFFFFFF),
+        fmt._int(entry.get("chunks_crc32c"), f"{what}: chunks_crc32c", 0, 0xFFFFFFFF),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """A validated format-2 commit record."""
+
+    world_size: int
+    attrs: dict
+    tensors: dict[str, fmt.TensorInfo]
+    plans: dict[str, GroupPlan]
+    rows: dict[str, list[RowRecord | None]]
+    manifests: list[fmt.ChunkRecord]
+    files: dict[str, fmt.ChunkRecord]
+
+
+def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRecord:
+    """Validate a format-2 commit record read from storage; every name, number and offset
+    is checked before use (rows against the plan lazily, see ``check_row``)."""
+    fmt.check_format_version(record, where, (VERSION,))
+    step = fmt._int(record.get("step"), f"{where}: step", 0, fmt.MAX_STEP)
+    if step != expected_step:
+        raise CorruptCheckpointError(
+            f"{where} says step {step}, but it lives in step {expected_step}'s directory"
+        )
+    world_size = fmt._int(record.get("world_size"), f"{where}: world_size", 1, fmt.MAX_RANKS + 1)
+    attrs, tensors_json = record.get("attrs"), record.get("tensors")
+    groups_json, files_json = record.get("groups"), record.get("files")
+    manifests_json = record.get("manifests")
+    if not all(isinstance(x, dict) for x in (attrs, tensors_json, groups_json, files_json)):
+        raise CorruptCheckpointError(f"{where}: attrs, tensors, groups and files must be objects")
+    if not isinstance(manifests_json, list) or len(manifests_json) != world_size:
+        raise CorruptCheckpointError(f"{where}: manifests must be a list of {world_size} entries")
+    tensors: dict[str, fmt.TensorInfo] = {}
+    for name, entry in tensors_json.items():
+        fmt.validate_name(name)
+        what = f"{where}: tensor {name!r}"
+        tensors[name] = _parse_tensor(name, entry, world_size, what)
+    try:
+        fmt.check_name_tree(list(tensors))
+        inner = {}
+        for g, entry in groups_json.items():
+            if not isinstance(entry, dict):
+                raise CorruptCheckpointError(f"{where}: group {g!r} must be an object")
+            inner[g] = fmt._int(
+                entry.get("inner_chunk_nbytes"),
+                f"{where}: group {g!r} inner_chunk_nbytes",
+                1,
+                MAX_INNER_NBYTES,
+            )
+        plans = plan_groups(
+            ((i.name, i.layout, i.dtype.itemsize) for i in tensors.values()), world_size, inner
+        )
+    except ConfigError as exc:
+        raise UnsafeNameError(f"{where}: {exc}") from exc
+    if set(plans) != set(groups_json):
+        raise CorruptCheckpointError(
+            f"{where}: groups {sorted(groups_json)[:10]} do not match the tensors' groups "
+            f"{sorted(plans)[:10]}"
+        )
+    rows: dict[str, list[RowRecord | None]] = {}
+    for g, plan in plans.items():
+        entry = groups_json[g]
+        if entry.get("row_nbytes") != plan.row_nbytes or plan.row_nbytes > MAX_ROW_NBYTES:
+            raise CorruptCheckpointError(
+                f"{where}: group {g!r} row_nbytes {entry.get('row_nbytes')!r} does not match "
+                f"its tensors ({plan.row_nbytes})"
+            )
+        rows_json = entry.get("rows")
+        if not isinstance(rows_json, list) or len(rows_json) != world_size:
+            raise CorruptCheckpointError(f"{where}: group {g!r} needs {world_size} rows")
+        rows[g] = [parse_row(r, f"{where}: group {g!r} row {i}") for i, r in enumerate(rows_json)]
+        for slot in plan.slots:
+            if tensors[slot.name].offset != slot.offset:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {slot.name!r} offset {tensors[slot.name].offset} does not "
+                    f"match the row plan ({slot.offset})"
+                )
+    manifests = [
+        fmt._parse_chunk(m, f"{where}: manifest {r}") for r, m in enumerate(manifests_json)
+    ]
+    for r, m in enumerate(manifests):
+        if m.nbytes > MAX_MANIFEST_NBYTES:
+            raise CorruptCheckpointError(f"{where}: manifest {r} is recorded as {m.nbytes} bytes")
+    files: dict[str, fmt.ChunkRecord] = {}
+    for path, entry in files_json.items():
+        fmt.validate_name(path, what="metadata path", allow_meta=True)
+        files[path] = fmt._parse_chunk(entry, f"{where}: file {path!r}")
+    return StepRecord(world_size, attrs, tensors, plans, rows, manifests, files)
+
+
+def check_row(plan: GroupPlan, rank: int, row: RowRecord | None, where: str) -> None:
+    """A row record must be exactly what the plan says ``rank`` stores."""
+    expected = int(plan.object_sizes()[rank])
+    got = row.nbytes if row is not None else 0
+    if got != expected:
+        raise CorruptCheckpointError(
+            f"{where}: group {plan.name!r} row {rank} is recorded as {got} bytes, the plan "
+            f"says {expected} ({row_path(plan.name, rank)})"
+        )
+
+
+def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> fmt.TensorInfo:
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{what}: expected an object")
+    shape_json = entry.get("shape")
+    if not isinstance(shape_json, list) or len(shape_json) > 64:
+        raise CorruptCheckpointError(f"{what}: shape must be a list of at most 64 ints")
+    shape = tuple(fmt._int(d, f"{what}: shape", 0, MAX_ROW_NBYTES) for d in shape_json)
+    dtype = fmt.dtype_from_name(entry.get("dtype"))
+    try:
+        layout = TensorLayout.from_json(entry.get("layout"))
+    except (ValueError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{what}: bad layout ({exc})") from exc
+    if layout.numel != math.prod(shape) or layout.world_size != world_size:
+        raise CorruptCheckpointError(
+            f"{what}: layout {layout} does not match shape {shape} / world_size {world_size}"
+        )
+    attrs = entry.get("attrs", {})
+    if not isinstance(attrs, dict):
+        raise CorruptCheckpointError(f"{what}: attrs must be an object")
+    if entry.get("group") != group_of(name):
+        raise CorruptCheckpointError(
+            f"{what}: group {entry.get('group')!r}, expected {group_of(name)!r}"
+        )
+    offset = fmt._int(entry.get("offset"), f"{what}: offset", 0, MAX_ROW_NBYTES)
+    return fmt.TensorInfo(name, shape, dtype, layout, attrs, (), group_of(name), offset)

@@ -1,0 +1,406 @@
+"""Reading a committed format-2 step: ranged, verified reads from the group rows.
+
+A read of elements ``[start, stop)`` of a tensor becomes, per owning rank, one byte range
+of that rank's row ([Note: rows] in ``rows.py``). The inner chunks covering it are read
+with one ranged request (they are adjacent in the object), each is checked against its
+crc32c, and the requested bytes land in the destination; only the partial first and last
+chunks go through scratch space. The shard index is not needed for that (positions
+follow from the plan); ``verify`` reads and checks it along with every chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import crc32c
+import torch
+
+from zerostate.errors import ConfigError, CorruptCheckpointError
+from zerostate.partition import chunk_reads
+from zerostate.store import format as fmt
+from zerostate.store import format2
+from zerostate.store.reader import StepReader
+from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
+from zerostate.store.storage import Storage
+
+#: Bytes verify reads per request: bounds its memory whatever the row size.
+VERIFY_BLOCK_NBYTES = 64 << 20
+#: Results larger than this are allocated only after a one-byte read shows the data exists.
+PROBE_NBYTES = 64 << 20
+#: Most row bytes one coalesced read covers (bounds a fetch's memory on object stores).
+RUN_NBYTES = 64 << 20
+
+
+class StepReaderV2(StepReader):
+    """One committed format-2 step; the same interface as :class:`StepReader`."""
+
+    format_version = format2.VERSION
+
+    def __init__(
+        self,
+        storage: Storage,
+        directory: str,
+        step: int,
+        record: format2.StepRecord,
+        num_threads: int,
+    ) -> None:
+        super().__init__(
+            storage,
+            directory,
+            step,
+            record.world_size,
+            record.attrs,
+            record.tensors,
+            record.files,
+            num_threads,
+        )
+        self._plans, self._rows, self._manifests = record.plans, record.rows, record.manifests
+        self._checked: set[tuple[str, int]] = set()
+        self._checked_lock = threading.Lock()
+
+    @property
+    def object_count(self) -> int:
+        """Objects of the step: rows, metadata documents, manifests, commit record."""
+        rows = sum(r is not None for rows in self._rows.values() for r in rows)
+        return rows + len(self._files) + self.world_size + 1
+
+    def row_objects(self) -> list[tuple[str, int, int]]:
+        """``(group, rank, nbytes)`` of every row object the step holds."""
+        return [
+            (g, r, row.nbytes)
+            for g, rows in self._rows.items()
+            for r, row in enumerate(rows)
+            if row is not None
+        ]
+
+    def iter_chunks(self) -> Any:
+        raise ConfigError(
+            f"step {self.step} is format 2: it has no per-chunk objects; use row_objects() "
+            "for its objects and read_range()/read_many() for data"
+        )
+
+    def locate(self, name: str, element: int) -> tuple[str, int]:
+        """Where element ``element`` of tensor ``name`` is stored: the row object's path
+        (relative to the checkpoint root) and the byte offset in it (for tools and tests)."""
+        info = self.info(name)
+        if not 0 <= element < info.numel:
+            raise ConfigError(f"{name}: element {element} outside [0, {info.numel})")
+        plan = self._plans[info.group]  # type: ignore[index]
+        chunk = element // info.layout.chunk_numel
+        rank = info.layout.chunk_owner(chunk)
+        at = info.offset + (element - chunk * info.layout.chunk_numel) * info.dtype.itemsize
+        position = plan.position(rank, at // plan.inner)
+        assert position is not None, "an owned byte lies in a stored inner chunk"
+        offset = position * plan.stored_chunk_nbytes + at % plan.inner
+        return f"{self._dir}/{row_path(plan.name, rank)}", offset
+
+    def _row(self, plan: GroupPlan, rank: int) -> format2.RowRecord | None:
+        row = self._rows[plan.name][rank]
+        key = (plan.name, rank)
+        if key not in self._checked:
+            format2.check_row(plan, rank, row, f"commit record of {self.url}")
+            with self._checked_lock:
+                self._checked.add(key)
+        return row
+
+    def _row_url(self, plan: GroupPlan, rank: int) -> str:
+        return self._storage.url_of(f"{self._dir}/{row_path(plan.name, rank)}")
+
+    # ------------------------------------------------------------------- reads
+    def read_chunk(self, name: str, index: int) -> memoryview:
+        """The verified bytes of layout chunk ``index`` (the owner's range, unpadded)."""
+        info = self.info(name)
+        if not 0 <= index < info.layout.num_chunks:
+            raise IndexError(f"{name}: chunk {index} out of range [0, {info.layout.num_chunks})")
+        start, stop = info.layout.chunk_range(index)
+        out = self.read_range(name, start, stop)
+        return memoryview(out.view(torch.uint8).numpy()).cast("B")
+
+    def read_range(
+        self, name: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flat tensor, verified, as a 1-D tensor.
+
+        Only the inner chunks overlapping the range are read. If one fails its checks the
+        error is raised and ``out`` may hold part of the data.
+        """
+        return self.read_many([(name, start, stop, out)])[0]
+
+    def read_many(
+        self, requests: Iterable[tuple[str, int, int, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        """Several ``(name, start, stop, out)`` reads at once (see :meth:`read_range`):
+        every inner chunk they need is read once, adjacent chunks of a row in one request,
+        whichever tensors they serve. A loader reads all its ranges this way."""
+        outs: list[torch.Tensor] = []
+        pieces: dict[tuple[str, int], list[_Piece]] = {}
+        for name, start, stop, out in requests:
+            info = self.info(name)
+            if out is None:
+                self._probe(info, start, stop)
+            start, stop, out = self._check_range(info, start, stop, out)
+            outs.append(out)
+            if stop == start:
+                continue
+            dest = memoryview(out.view(torch.uint8).numpy()).cast("B")
+            size = info.dtype.itemsize
+            for read in chunk_reads(info.layout, start, stop):
+                at, lo = read.out_start * size, info.offset + read.chunk_start * size
+                key = (info.group, info.layout.chunk_owner(read.chunk_index))
+                part = dest[at : at + read.numel * size]
+                # Cut at multiples of RUN_NBYTES (inner chunks divide it): no fetch grows
+                # past it, and no chunk is read by two of them.
+                todo = pieces.setdefault(key, [])
+                while part.nbytes:
+                    take = min(part.nbytes, (lo // RUN_NBYTES + 1) * RUN_NBYTES - lo)
+                    todo.append(_Piece(lo, lo + take, part[:take], name))
+                    lo, part = lo + take, part[take:]
+        jobs = []
+        for (group, rank), todo in pieces.items():
+            plan = self._plans[group]
+            while todo:  # pieces that overlap an earlier one go in a later pass
+                todo.sort(key=lambda p: p.lo)
+                batch, later, end = [], [], -1
+                for piece in todo:
+                    (batch if piece.lo >= end else later).append(piece)
+                    end = max(end, piece.hi) if piece.lo >= end else end
+                jobs += [(plan, rank, run) for run in _runs(batch, plan.inner)]
+                todo = later
+        self._map(lambda job: self._read_run(*job), jobs)
+        return outs
+
+    def _probe(self, info: fmt.TensorInfo, start: Any, stop: Any) -> None:
+        """Before allocating a large result, read the last byte it needs from each row:
+        a commit record that lies about sizes fails here, not with a huge allocation."""
+        try:
+            nbytes = (int(stop) - int(start)) * info.dtype.itemsize
+        except (TypeError, ValueError):
+            return  # _check_range names the problem
+        if nbytes <= PROBE_NBYTES or not 0 <= int(start) < int(stop) <= info.numel:
+            return
+        plan = self._plans[info.group]  # type: ignore[index]
+        size = info.dtype.itemsize
+        for read in chunk_reads(info.layout, int(start), int(stop)):
+            rank = info.layout.chunk_owner(read.chunk_index)
+            last = info.offset + read.chunk_stop * size - 1
+            position = plan.position(rank, last // plan.inner)
+            at = (position if position is not None else 0) + 1
+            byte = memoryview(bytearray(1))
+            path = f"{self._dir}/{row_path(plan.name, rank)}"
+            try:
+                got = self._storage.read_range_into(path, at * plan.stored_chunk_nbytes - 1, [byte])
+            except FileNotFoundError:
+                got = 0
+            if position is None or got != 1:
+                raise CorruptCheckpointError(
+                    f"tensor {info.name!r}: rank {rank}'s row of group {plan.name!r} "
+                    f"({self._row_url(plan, rank)}) does not hold the {nbytes} bytes the "
+                    "commit record promises (missing or truncated)"
+                )
+
+    def _read_run(self, plan: GroupPlan, rank: int, run: list[_Piece]) -> None:
+        """Read the inner chunks under ``run`` (sorted pieces whose chunks are adjacent)
+        with one ranged request, landing piece bytes in place, and verify every chunk."""
+        row = self._row(plan, rank)
+        url = self._row_url(plan, rank)
+        size, stored = plan.inner, plan.stored_chunk_nbytes
+        first, last = run[0].lo // size, (run[-1].hi - 1) // size
+        p0, p1 = plan.position(rank, first), plan.position(rank, last)
+        names = sorted({p.name for p in run})
+        what = f"tensor(s) {_names(names)}: rank {rank}'s row of group {plan.name!r} ({url})"
+        if row is None or p0 is None or p1 is None or p1 - p0 != last - first:
+            raise CorruptCheckpointError(f"{what} does not hold the bytes they need")
+        parts: list[memoryview] = []
+        checks: list[tuple[int, list[memoryview], memoryview]] = []
+        crcs = memoryview(bytearray(CHECKSUM_NBYTES * (last - first + 1)))
+        i = 0
+        for k, j in enumerate(range(first, last + 1)):
+            pos, hi = j * size, (j + 1) * size
+            segments = []
+            while pos < hi:
+                while i < len(run) and run[i].hi <= pos:
+                    i += 1
+                if i < len(run) and run[i].lo <= pos:
+                    piece = run[i]
+                    end = min(piece.hi, hi)
+                    segments.append(piece.dest[pos - piece.lo : end - piece.lo])
+                else:
+                    end = min(run[i].lo, hi) if i < len(run) else hi
+                    segments.append(memoryview(bytearray(end - pos)))  # not asked for
+                pos = end
+            crc_view = crcs[k * CHECKSUM_NBYTES : (k + 1) * CHECKSUM_NBYTES]
+            parts += [*segments, crc_view]
+            checks.append((j, segments, crc_view))
+        want = (last - first + 1) * stored
+        try:
+            got = self._storage.read_range_into(
+                f"{self._dir}/{row_path(plan.name, rank)}", p0 * stored, parts
+            )
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{what} is missing") from None
+        if got != want:
+            raise CorruptCheckpointError(
+                f"{what} ends early: {got} of {want} bytes at offset {p0 * stored} "
+                "(truncated or overwritten)"
+            )
+        for j, segments, crc_view in checks:
+            actual = 0
+            for segment in segments:
+                actual = crc32c.crc32c(segment, actual)
+            stored_crc = int.from_bytes(crc_view, "little")
+            if actual != stored_crc:
+                hit = _names(plan.tensors_in_chunk(rank, j))
+                raise CorruptCheckpointError(
+                    f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
+                    f"inner chunk {j}, fails its checksum (crc32c {actual:#010x}, stored "
+                    f"{stored_crc:#010x}): the data is damaged"
+                )
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, progress: Callable[[int], Any] | None = None) -> None:
+        """Re-read every row (every inner chunk and the shard index), metadata document
+        and manifest; raise listing every problem found, naming the tensors affected."""
+        problems: list[str] = []
+        lock = threading.Lock()
+
+        def report(problem: str) -> None:
+            with lock:
+                problems.append(problem)
+
+        def check_row(item: tuple[GroupPlan, int]) -> None:
+            plan, rank = item
+            try:
+                row = self._row(plan, rank)
+                if row is not None:
+                    self._verify_row(plan, rank, row, report)
+            except CorruptCheckpointError as exc:
+                report(str(exc))
+            if progress is not None:
+                logical = sum(hi - lo for lo, hi, _ in plan.spans(rank))
+                if logical:
+                    progress(logical)
+
+        def check_doc(item: tuple[str, fmt.ChunkRecord]) -> None:
+            path, record = item
+            problem = self._check_object(path, record, f"metadata {path!r}")
+            if problem:
+                report(problem)
+
+        rows = [(p, r) for p in self._plans.values() for r in range(self.world_size)]
+        self._map(check_row, rows)
+        self._map(check_doc, sorted(self._files.items()))
+        manifests = [(fmt.manifest_path(r), m) for r, m in enumerate(self._manifests)]
+        self._map(check_doc, manifests)
+        if problems:
+            problems.sort()
+            raise CorruptCheckpointError(
+                f"step {self.step} at {self.url}: {len(problems)} problem(s): "
+                + "; ".join(problems[:20])
+                + (" ..." if len(problems) > 20 else "")
+            )
+
+    def _check_object(self, path: str, record: fmt.ChunkRecord, what: str) -> str | None:
+        buf = memoryview(bytearray(record.nbytes + 1))  # one more: an overlong object shows
+        try:
+            got = self._storage.read_range_into(f"{self._dir}/{path}", 0, [buf])
+        except FileNotFoundError:
+            return f"{what} ({self._storage.url_of(f'{self._dir}/{path}')}) is missing"
+        if got != record.nbytes or crc32c.crc32c(buf[:got]) != record.crc32c:
+            return f"{what} ({self._storage.url_of(f'{self._dir}/{path}')}) fails its checksum"
+        return None
+
+    def _verify_row(
+        self, plan: GroupPlan, rank: int, row: format2.RowRecord, report: Callable[[str], None]
+    ) -> None:
+        path = f"{self._dir}/{row_path(plan.name, rank)}"
+        where = f"rank {rank}'s row of group {plan.name!r} ({self._row_url(plan, rank)})"
+        chunks = [j for a, b in plan.present(rank) for j in range(a, b)]
+        stored = plan.stored_chunk_nbytes
+        per_read = max(1, VERIFY_BLOCK_NBYTES // stored)
+        chunk_crcs = bytearray()
+        for start in range(0, len(chunks), per_read):
+            batch = chunks[start : start + per_read]
+            buf = memoryview(bytearray(len(batch) * stored))
+            try:
+                got = self._storage.read_range_into(path, start * stored, [buf])
+            except FileNotFoundError:
+                names = sorted({s.name for _, _, s in plan.spans(rank)})
+                report(f"tensor(s) {_names(names)}: {where} is missing")
+                return
+            for k, j in enumerate(batch):
+                chunk = buf[k * stored : (k + 1) * stored]
+                tail = chunk[plan.inner :]
+                ok = (k + 1) * stored <= got and crc32c.crc32c(chunk[: plan.inner]) == (
+                    int.from_bytes(tail, "little")
+                )
+                chunk_crcs += tail
+                if not ok:
+                    damage = "is cut short" if (k + 1) * stored > got else "fails its checksum"
+                    names = plan.tensors_in_chunk(rank, j)
+                    report(f"tensor(s) {_names(names)}: {where}, inner chunk {j}, {damage}")
+        index = plan.index_bytes(rank)
+        buf = memoryview(bytearray(len(index) + CHECKSUM_NBYTES + 1))
+        got = self._storage.read_range_into(path, len(chunks) * stored, [buf])
+        stored_index = bytes(buf[: len(index)])
+        stored_crc = int.from_bytes(buf[len(index) : len(index) + CHECKSUM_NBYTES], "little")
+        if got != len(index) + CHECKSUM_NBYTES or stored_index != index:
+            report(f"{where}: the shard index is damaged or the object has the wrong size")
+        elif crc32c.crc32c(index) != stored_crc or stored_crc != row.index_crc32c:
+            report(f"{where}: the shard index fails its checksum")
+        if crc32c.crc32c(bytes(chunk_crcs)) != row.chunks_crc32c:
+            report(f"{where}: its chunk checksums do not match the commit record")
+
+    # -------------------------------------------------------------- rank state
+    def rank_state(self, rank: int) -> dict | None:
+        """The JSON object rank ``rank`` saved as ``rank_state`` (None if it saved none),
+        read from its manifest and checked against the commit record."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        path = fmt.manifest_path(rank)
+        record = self._manifests[rank]
+        problem = self._check_object(path, record, f"manifest of rank {rank}")
+        if problem:
+            raise CorruptCheckpointError(problem)
+        raw = self._storage.read(f"{self._dir}/{path}")
+        where = f"manifest of rank {rank} in {self.url}"
+        manifest = fmt.parse_document(raw, "zerostate_manifest", where)
+        fmt.check_format_version(manifest, where, (format2.VERSION,))
+        if (manifest.get("step"), manifest.get("rank")) != (self.step, rank):
+            raise CorruptCheckpointError(f"{where} names another step or rank")
+        state = manifest.get("rank_state")
+        if state is not None and not isinstance(state, dict):
+            raise CorruptCheckpointError(f"{where}: rank_state is not an object")
+        return state
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """Row bytes ``[lo, hi)`` wanted in ``dest`` (a view of a caller's tensor)."""
+
+    lo: int
+    hi: int
+    dest: memoryview
+    name: str
+
+
+def _runs(pieces: list[_Piece], inner: int) -> list[list[_Piece]]:
+    """Split sorted, disjoint pieces into runs whose inner chunks are adjacent (a piece may
+    share a chunk with the next), each run at most ``RUN_NBYTES`` of chunks."""
+    runs: list[list[_Piece]] = []
+    for piece in pieces:
+        if runs:
+            run = runs[-1]
+            gap_ok = piece.lo // inner <= (run[-1].hi - 1) // inner + 1
+            if gap_ok and piece.hi - run[0].lo <= RUN_NBYTES:
+                run.append(piece)
+                continue
+        runs.append([piece])
+    return runs
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -1,0 +1,324 @@
+"""Format v2 row plan: where each rank's bytes of each tensor live. Pure, no I/O.
+
+[Note: rows]
+Tensors are grouped by the prefix before their last ``/`` (``model``, ``optim/exp_avg``,
+``buffers``, ...; a name without ``/`` belongs to the group ``_top``). Each group is one
+zarr array of ``uint8`` and shape ``[world_size, S]``: row ``r`` holds the bytes rank ``r``
+owns of every tensor of the group. Every tensor gets a *slot* of
+``chunk_numel * itemsize`` bytes at the same ``offset`` in every row (tensors in name
+order, slots back to back, so ``S`` is the sum of the slots); rank ``r`` stores its owned
+range of the tensor at the start of the slot. Offsets are therefore one number per
+tensor, not per rank, and the commit record stays O(tensors + world_size).
+
+Each row is one zarr shard (sharding codec, chunk shape ``[1, n * C]``) of ``n`` inner
+chunks of ``C`` bytes, each stored as ``C`` bytes + crc32c; the shard index (``n`` pairs
+of little-endian uint64 ``offset, nbytes`` + crc32c) is at the end of the object. An inner
+chunk is stored iff it overlaps bytes the rank owns (stored chunks are written in index
+order, back to back, so their positions follow from the plan); the others are absent
+(index entry all ones, read as zeros). A row with no stored chunk is not written.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+import numpy as np
+import torch
+
+from zerostate.errors import CheckpointError, ConfigError
+from zerostate.partition import TensorLayout, ceil_div
+
+TOP_GROUP = "_top"
+CHECKSUM_NBYTES = 4
+INDEX_ENTRY_NBYTES = 16
+MISSING = 0xFFFF_FFFF_FFFF_FFFF
+#: Inner chunk size bounds. The lower bound keeps the crc and index overhead under 2%;
+#: the upper bound keeps one verified read small next to host memory.
+MIN_INNER_NBYTES = 256
+MAX_INNER_NBYTES = 4 << 20
+#: A resharding reader touches about two pieces per tensor per source row and may read up
+#: to one inner chunk too many per piece; ``C <= S / (32 * tensors)`` keeps that under ~5%.
+PIECES_FACTOR = 32
+
+
+def group_of(name: str) -> str:
+    """The state group (zarr array) a tensor belongs to."""
+    return name.rsplit("/", 1)[0] if "/" in name else TOP_GROUP
+
+
+def pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def inner_chunk_nbytes(row_nbytes: int, num_tensors: int) -> int:
+    """Default inner chunk size of a group: see ``PIECES_FACTOR``."""
+    target = row_nbytes // (PIECES_FACTOR * max(1, num_tensors))
+    return min(MAX_INNER_NBYTES, max(MIN_INNER_NBYTES, pow2_floor(target)))
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One tensor's place in its group's rows."""
+
+    name: str
+    layout: TensorLayout
+    itemsize: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.chunk_numel * self.itemsize if self.layout.num_chunks else 0
+
+    def owned_bytes(self, rank: int) -> tuple[int, int]:
+        """Half-open byte range of the row that ``rank`` stores for this tensor."""
+        return self.offset, self.offset + self.layout.owned_numel(rank) * self.itemsize
+
+
+@dataclass(slots=True)
+class GroupPlan:
+    """The rows of one group. Built identically by every rank from the specs alone."""
+
+    name: str
+    world_size: int
+    slots: list[Slot]
+    inner: int
+    row_nbytes: int
+    _present: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    _sizes: np.ndarray | None = None
+
+    @property
+    def num_inner(self) -> int:
+        return ceil_div(self.row_nbytes, self.inner) if self.row_nbytes else 0
+
+    @property
+    def stored_chunk_nbytes(self) -> int:
+        return self.inner + CHECKSUM_NBYTES
+
+    @property
+    def index_nbytes(self) -> int:
+        return self.num_inner * INDEX_ENTRY_NBYTES + CHECKSUM_NBYTES
+
+    def spans(self, rank: int) -> list[tuple[int, int, Slot]]:
+        """``(start, stop, slot)`` byte spans ``rank`` stores, ascending, non-empty."""
+        out = []
+        for slot in self.slots:
+            lo, hi = slot.owned_bytes(rank)
+            if hi > lo:
+                out.append((lo, hi, slot))
+        return out
+
+    def present(self, rank: int) -> list[tuple[int, int]]:
+        """Runs ``[first, stop)`` of the inner chunks stored in ``rank``'s row, ascending."""
+        runs = self._present.get(rank)
+        if runs is None:
+            runs = []
+            for lo, hi, _ in self.spans(rank):
+                a, b = lo // self.inner, ceil_div(hi, self.inner)
+                if runs and a <= runs[-1][1]:
+                    runs[-1] = (runs[-1][0], max(runs[-1][1], b))
+                else:
+                    runs.append((a, b))
+            self._present[rank] = runs
+        return runs
+
+    def num_present(self, rank: int) -> int:
+        return sum(b - a for a, b in self.present(rank))
+
+    def object_nbytes(self, rank: int) -> int:
+        """Size of ``rank``'s row object, 0 when the row is not written."""
+        n = self.num_present(rank)
+        return n * self.stored_chunk_nbytes + self.index_nbytes if n else 0
+
+    def object_sizes(self) -> np.ndarray:
+        """``object_nbytes`` of every rank at once: rank 0 checks every manifest against
+        them, and a loop over ranks and tensors takes seconds at thousands of ranks."""
+        if self._sizes is None:
+            self._sizes = self._object_sizes()
+        return self._sizes
+
+    def _object_sizes(self) -> np.ndarray:
+        ranks = np.arange(self.world_size, dtype=np.int64)
+        covered = np.zeros(self.world_size, dtype=np.int64)  # stored chunks [0, covered)
+        count = np.zeros(self.world_size, dtype=np.int64)
+        for slot in self.slots:  # ascending offsets, as ``present`` walks them
+            lay = slot.layout
+            if not lay.num_chunks:
+                continue
+            index = (ranks - lay.first_owner) % self.world_size
+            owned = np.clip(lay.numel - index * lay.chunk_numel, 0, lay.chunk_numel)
+            has = owned > 0
+            first = slot.offset // self.inner
+            stop = -(-(slot.offset + owned * slot.itemsize) // self.inner)
+            new = np.where(has, stop - np.maximum(first, covered), 0)
+            count += np.maximum(new, 0)
+            covered = np.where(has, np.maximum(covered, stop), covered)
+        return np.where(count > 0, count * self.stored_chunk_nbytes + self.index_nbytes, 0)
+
+    def position(self, rank: int, chunk: int) -> int | None:
+        """Position of inner chunk ``chunk`` within ``rank``'s object, None if absent."""
+        runs = self.present(rank)
+        i = bisect.bisect_right(runs, (chunk, math.inf)) - 1
+        if i < 0 or not runs[i][0] <= chunk < runs[i][1]:
+            return None
+        return sum(b - a for a, b in runs[:i]) + chunk - runs[i][0]
+
+    def index_bytes(self, rank: int) -> bytes:
+        """The shard index (without its crc32c) of ``rank``'s row."""
+        entries = [MISSING, MISSING] * self.num_inner
+        pos = 0
+        for a, b in self.present(rank):
+            for j in range(a, b):
+                entries[2 * j] = pos * self.stored_chunk_nbytes
+                entries[2 * j + 1] = self.stored_chunk_nbytes
+                pos += 1
+        return struct.pack(f"<{2 * self.num_inner}Q", *entries)
+
+    def tensors_in_chunk(self, rank: int, chunk: int) -> list[str]:
+        """Names of the tensors whose stored bytes in ``rank``'s row touch ``chunk``."""
+        lo, hi = chunk * self.inner, (chunk + 1) * self.inner
+        return [s.name for a, b, s in self.spans(rank) if a < hi and b > lo]
+
+    def array_document(self) -> dict:
+        """The zarr v3 array document of this group (see [Note: rows])."""
+        shard = [1, max(1, self.num_inner) * self.inner]
+        crc = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": [self.world_size, self.row_nbytes],
+            "data_type": "uint8",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": shard}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": 0,
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [1, self.inner],
+                        "codecs": crc,
+                        "index_codecs": crc,
+                        "index_location": "end",
+                    },
+                }
+            ],
+            "attributes": {"zerostate_group": {"tensors": [s.name for s in self.slots]}},
+            "storage_transformers": [],
+        }
+
+
+def row_path(group: str, rank: int) -> str:
+    """Key of ``rank``'s row object (zarr's default chunk key of chunk ``(rank, 0)``)."""
+    return f"{group}/c/{rank}/0"
+
+
+def check_group_tree(groups: Iterable[str]) -> None:
+    """Group arrays cannot contain nodes: no group may be a parent of another."""
+    names = set(groups)
+    for g in names:
+        parts = g.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent in names:
+                raise ConfigError(
+                    f"state group {parent!r} (tensors named '{parent}/<x>') is also a parent "
+                    f"of group {g!r}; a zarr array cannot contain other nodes: rename the "
+                    "tensors so that no group name is a prefix of another"
+                )
+
+
+def plan_groups(
+    entries: Iterable[tuple[str, TensorLayout, int]],
+    world_size: int,
+    inner: dict[str, int] | None = None,
+) -> dict[str, GroupPlan]:
+    """Group plans from ``(name, layout, itemsize)``; tensors go in name order.
+
+    ``inner`` overrides inner chunk sizes (a reader takes them from the commit record).
+    """
+    by_group: dict[str, list[tuple[str, TensorLayout, int]]] = {}
+    for entry in sorted(entries, key=lambda e: e[0]):
+        by_group.setdefault(group_of(entry[0]), []).append(entry)
+    check_group_tree(by_group)
+    plans = {}
+    for group, members in sorted(by_group.items()):
+        slots, offset = [], 0
+        for name, layout, itemsize in members:
+            slot = Slot(name, layout, itemsize, offset)
+            slots.append(slot)
+            offset += slot.nbytes
+        size = (inner or {}).get(group) or inner_chunk_nbytes(offset, len(members))
+        plans[group] = GroupPlan(group, world_size, slots, size, offset)
+    return plans
+
+
+class LazyShard:
+    """A shard whose bytes are produced on demand, in order, while its row streams out:
+    ``read(offset, nbytes)`` returns bytes ``[offset, offset + nbytes)`` of the shard.
+    Lets a converter (``reshard``) write a row without holding it in memory."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, read: Callable[[int, int], Any]) -> None:
+        self.numel, self.dtype, self.read = numel, dtype, read
+
+
+Source = memoryview | LazyShard
+
+
+def _piece(source: Source, offset: int, nbytes: int) -> Any:
+    if isinstance(source, LazyShard):
+        data = memoryview(source.read(offset, nbytes)).cast("B")
+        if data.nbytes != nbytes:
+            raise CheckpointError(
+                f"internal: lazy shard gave {data.nbytes} bytes, {nbytes} were asked for"
+            )
+        return data
+    return source[offset : offset + nbytes]
+
+
+def row_parts(
+    plan: GroupPlan, rank: int, sources: dict[str, Source], chunk_crcs: bytearray
+) -> Iterator[Any]:
+    """The bytes of ``rank``'s row object of ``plan``, in pieces that are mostly views of
+    the sources (no copy): stored inner chunks each followed by its crc32c, then the shard
+    index and its crc32c. The chunk checksums are appended to ``chunk_crcs``."""
+    spans = plan.spans(rank)
+    size = plan.inner
+    zeros = memoryview(bytes(size))
+    k = 0
+    for first, stop in plan.present(rank):
+        for j in range(first, stop):
+            lo, hi = j * size, (j + 1) * size
+            while k < len(spans) and spans[k][1] <= lo:
+                k += 1
+            pos, crc, i = lo, 0, k
+            while pos < hi:
+                if i < len(spans) and spans[i][0] < hi:
+                    s_lo, s_hi, slot = spans[i]
+                    if s_lo > pos:
+                        gap = zeros[: s_lo - pos]
+                        crc = crc32c.crc32c(gap, crc)
+                        yield gap
+                        pos = s_lo
+                    end = min(s_hi, hi)
+                    piece = _piece(sources[slot.name], pos - s_lo, end - pos)
+                    crc = crc32c.crc32c(piece, crc)
+                    yield piece
+                    pos = end
+                    if end == s_hi:
+                        i += 1
+                else:
+                    gap = zeros[: hi - pos]
+                    crc = crc32c.crc32c(gap, crc)
+                    yield gap
+                    pos = hi
+            tail = crc.to_bytes(CHECKSUM_NBYTES, "little")
+            chunk_crcs += tail
+            yield tail
+    index = plan.index_bytes(rank)
+    yield index
+    yield crc32c.crc32c(index).to_bytes(CHECKSUM_NBYTES, "little")
