@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerostate.errors import CheckpointError, ConfigError
+from zerostate import jsonstate
+from zerostate.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from zerostate.partition import TensorLayout
 from zerostate.store import (
     StepExistsError,
@@ -80,6 +81,61 @@ class _Piece:
 
     spec: TensorSpec
     source: torch.Tensor  # 1-D slice of the live tensor (may be on an accelerator)
+
+
+def _rank_state_to_store(
+    state: dict, *, rank: int, world_size: int, group: Any, device: torch.device
+) -> list[_Piece]:
+    """Pieces that store this rank's JSON ``state`` (collective over ``group``).
+
+    Interim encoding until the store has a per-rank JSON slot: one uint8 tensor per rank,
+    ``rank_state/rank-<r>``, holding that rank's JSON padded with spaces to the longest
+    rank's length (one all-reduce agrees on it, since every rank must list the same
+    tensors), each rank writing only its own as one whole chunk.
+    """
+    raw = json.dumps(state, allow_nan=True).encode()
+    length = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+    numel = int(length.item())
+    raw += b" " * (numel - len(raw))
+    pieces = []
+    for r in range(world_size):
+        layout = TensorLayout(numel, world_size, max(1, numel), r)
+        spec = TensorSpec(f"rank_state/rank-{r:05d}", (numel,), torch.uint8, layout)
+        data = torch.tensor(list(raw), dtype=torch.uint8) if r == rank else torch.empty(0)
+        pieces.append(_Piece(spec, data.to(torch.uint8)))
+    return pieces
+
+
+def _rank_state_from_store(st: Any, rank: int) -> dict | None:
+    """The JSON state rank ``rank`` of the saving run stored, or None if it stored none."""
+    name = f"rank_state/rank-{rank:05d}"
+    if name not in st.tensors:
+        return None
+    raw = bytes(st.read(name).to(torch.uint8).tolist())
+    try:
+        state = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{name} in step {st.step} is not JSON: {exc}") from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{name} in step {st.step} is not a JSON object")
+    return state
+
+
+def _check_stateful(stateful: Any, *, loading: bool) -> dict:
+    if stateful is None:
+        return {}
+    if not isinstance(stateful, dict) or not all(isinstance(k, str) for k in stateful):
+        raise ConfigError("stateful must be a dict of {name: object with state_dict()}")
+    method = "load_state_dict" if loading else "state_dict"
+    for name, obj in stateful.items():
+        if not callable(getattr(obj, method, None)):
+            raise ConfigError(
+                f"stateful[{name!r}] ({type(obj).__name__}) has no {method}(); pass objects "
+                "with state_dict() and load_state_dict(), such as LR schedulers"
+            )
+    return stateful
 
 
 def _json_checked(value: Any, what: str) -> Any:
@@ -186,7 +242,7 @@ class Checkpointer:
                 shards[name] = src.contiguous()  # written before save() returns: no copy
                 continue
             buf = self._host_buffer(name, src)
-            if name.startswith(("buffers/", "rng/")) or blocking:
+            if name.startswith(("buffers/", "rng/", "rank_state/")) or blocking:
                 buf.copy_(src)
             else:
                 deferred.append((buf, src))
@@ -235,8 +291,15 @@ class Checkpointer:
         keep_last: int | None = None,
         storage_options: dict | None = None,
         progress: Callable[[int], None] | None = None,
+        stateful: dict | None = None,
     ) -> SaveHandle:
         start = time.perf_counter()
+        stateful = _check_stateful(stateful, loading=False)
+        # Encoded now, on the caller's thread: the objects keep changing after save() returns.
+        objects = {
+            name: jsonstate.encode(obj.state_dict(), f"stateful[{name!r}].state_dict()")
+            for name, obj in stateful.items()
+        }
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
         step = int(self.engine.optimizer_steps if step is None else step)
@@ -269,7 +332,13 @@ class Checkpointer:
                 f"step {step} is already committed in {path}; save under another step number "
                 "or delete it first"
             )
-        pieces = self._pieces()
+        pieces = self._pieces() + _rank_state_to_store(
+            {"stateful": objects},
+            rank=self.rank,
+            world_size=self.world_size,
+            group=self.engine.group,
+            device=self.engine.device,
+        )
         specs = [p.spec for p in pieces]
         writer = StepWriter(
             path,
@@ -340,11 +409,14 @@ class Checkpointer:
         step: int | None = None,
         storage_options: dict | None = None,
         strict: bool = True,
+        stateful: dict | None = None,
     ) -> Any:
+        stateful = _check_stateful(stateful, loading=True)
         self.wait()
         self.before_update()
         ckpt = open_checkpoint(path, storage_options=storage_options)
         st = ckpt.step(step)
+        self.engine.prepare_engine_state(st.attrs.get("engine", {}), strict=strict)
         views = self.engine.state_views()
         missing = [v.name for v in views if v.name not in st.tensors]
         if missing and strict:
@@ -371,8 +443,44 @@ class Checkpointer:
         self.engine.load_engine_state(st.attrs.get("engine", {}))
         self.engine.refresh_from_masters()
         self._restore_rng(st)
+        self._restore_stateful(st, stateful, strict)
         self._barrier()
         return st.attrs.get("client_state")
+
+    def _restore_stateful(self, st: Any, stateful: dict, strict: bool) -> None:
+        """[Note: per-rank stateful objects]
+        Every rank saves its own objects' states. On load, an object whose saved state is
+        the same on every saving rank (a scheduler; a sampler that keeps a global position)
+        is restored on every rank at any world size. One whose state differed between
+        ranks can only be restored at the same world size, each rank taking its own; at
+        another world size the load fails naming it, because no mapping of N ranks'
+        positions onto M ranks is right in general: keep such state global (derive per-rank
+        parts such as RNG seeds from a saved base seed and the rank) or leave it out."""
+        if not stateful:
+            return
+        saved = [_rank_state_from_store(st, r) for r in range(st.world_size)]
+        for name, obj in stateful.items():
+            states = [(s or {}).get("stateful", {}).get(name) for s in saved]
+            if any(v is None for v in states):
+                if strict:
+                    raise CheckpointError(
+                        f"step {st.step} holds no state for stateful[{name!r}]; was it saved "
+                        "with engine.save(..., stateful={...}) under that name? (strict=False "
+                        "leaves the object as it is)"
+                    )
+                continue
+            if all(v == states[0] for v in states):
+                value = states[0]
+            elif st.world_size == self.world_size:
+                value = states[self.rank]
+            else:
+                raise CheckpointError(
+                    f"stateful[{name!r}] was saved with a different state on each of "
+                    f"{st.world_size} ranks and cannot be mapped onto {self.world_size} ranks; "
+                    "make its state the same on every rank (derive per-rank parts from the "
+                    "rank) or leave it out of stateful= when the world size changes"
+                )
+            obj.load_state_dict(jsonstate.decode(value, f"stateful[{name!r}]"))
 
     @staticmethod
     def _load_view(st: Any, view: Any) -> None:
