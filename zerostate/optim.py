@@ -151,6 +151,16 @@ def _check_class(opt: Any) -> None:
     )
 
 
+def _has_stepped(opt: Optimizer) -> bool:
+    # Adagrad creates its state (step 0) in the constructor; any other state, or a step
+    # count above zero, comes from a step.
+    for st in opt.state.values():
+        step = st.get("step")
+        if (step is None and len(st)) or (step is not None and float(step) > 0):
+            return True
+    return False
+
+
 def resolve_user_optimizers(
     optimizer: Optimizer | Sequence[Optimizer], named: list[tuple[str, torch.nn.Parameter]]
 ) -> list[tuple[Optimizer, list[list[str]]]]:
@@ -168,7 +178,7 @@ def resolve_user_optimizers(
     out = []
     for k, opt in enumerate(opts):
         _check_class(opt)
-        if any(len(s) for s in opt.state.values()):
+        if _has_stepped(opt):
             raise ConfigError(
                 f"optimizer {type(opt).__name__} already holds state (it has been stepped); "
                 "pass a fresh optimizer to Engine and restore state with engine.load()"
