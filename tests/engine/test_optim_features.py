@@ -126,6 +126,29 @@ def _worker(rank: int, world_size: int, ckpt: str) -> dict:
         out[("extra_moved", stage)] = not torch.equal(params["extra"], before["extra"])
         out[("norms", stage)] = max(abs(a - r) / r for a, r in zip(norms, ref_norms, strict=True))
 
+    # OneCycleLR cycles lr and AdamW's beta1 through the live param_groups.
+    def one_cycle(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=4)
+
+    ref = Partial()
+    ref_opt = _adamw(ref)
+    ref_sched = one_cycle(ref_opt)
+    model = Partial()
+    engine = zerostate.Engine(model, stage=2, min_shard_numel=4, optimizer=_adamw(model))
+    sched = one_cycle(engine.optimizer)
+    for step in range(4):
+        x = _data(step)
+        ref_opt.zero_grad()
+        for r in range(world_size):
+            (ref(x[r * b : (r + 1) * b], True) / world_size).backward()
+        ref_opt.step()
+        ref_sched.step()
+        engine.backward(engine(x[rank * b : (rank + 1) * b], True))
+        engine.step()
+        sched.step()
+    params = engine.full_state_dict()
+    out["one_cycle"] = max(rel(params[n], p) for n, p in ref.named_parameters())
+
     # param_groups are live: lr 0 freezes a group at the next step, restoring it resumes.
     model = Partial()
     groups = [{"params": model.used.parameters()}, {"params": [model.extra]}]
@@ -182,6 +205,20 @@ def _worker(rank: int, world_size: int, ckpt: str) -> dict:
     except CheckpointError as exc:
         out["unknown_name"] = str(exc)
 
+    # An engine state written before optimizer metadata existed (version 1: built-in AdamW,
+    # moments for every trainable parameter) still loads.
+    engine3 = zerostate.Engine(Partial(), stage=2, lr=0.05)
+    legacy = {k: v for k, v in engine3.engine_state().items() if k != "optimizer"}
+    legacy.update(version=1, step=7)
+    engine3.prepare_engine_state(legacy)
+    engine3.load_engine_state(legacy)
+    sp = engine3._trainable[0]
+    out["legacy"] = (
+        engine3.optimizer_steps,
+        sorted(k for k, _ in engine3._optimizer.state_tensors(sp)),
+        float(engine3.optimizer.state[sp.master]["step"]),
+    )
+
     # At another world size: the scheduler (same on every rank) loads, the sampler cannot.
     sub = dist.new_group([0])
     if rank == 0:
@@ -209,6 +246,7 @@ def test_user_optimizer_features(tmp_path) -> None:
         assert r[("unused_unchanged", stage)]  # no gradient on any rank: not stepped
         assert r[("extra_moved", stage)]  # a gradient on one rank only: stepped everywhere
         assert r[("norms", stage)] <= 1e-5  # pre-clip norm reported without clipping
+    assert r["one_cycle"] <= 1e-5
     assert r["live_lr"] == [(False, True), (True, True)]
     for rank_result in results:
         for key in [k for k in rank_result if k[0] == "refused"]:
@@ -217,6 +255,7 @@ def test_user_optimizer_features(tmp_path) -> None:
     for rank_result in results:
         assert rank_result["stateful"] == (True,) * 5
         assert "no state for stateful['nothing']" in rank_result["unknown_name"]
+    assert r["legacy"] == (7, ["exp_avg", "exp_avg_sq"], 7.0)
     assert r["other_world_sched"] == 3
     assert "cannot be mapped onto 1 ranks" in r["other_world_sampler"]
 
