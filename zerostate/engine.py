@@ -10,8 +10,9 @@ One optimizer step (``K = grad_accum_steps``):
    hooks launch the bucket / unit collectives while backward runs; what is left is flushed.
 3. ``engine.step()``: on the K-th call, each rank's gradient shard is cast to fp32 and
    divided by ``world_size * K * loss_scale`` (the mean over the global batch); one
-   all-reduce of the squared norm (when clipping or fp16) gives the global norm and the
-   overflow verdict on every rank; AdamW updates the fp32 master shards; the working
+   all-reduce of the squared norm and per-parameter gradient flags gives the global norm,
+   the overflow verdict and which parameters to step on every rank; the optimizer
+   (zerostate.optim) updates the fp32 master shards; the working
    parameters are refreshed (stage 0: cast; 1/2: all-gather; 3: cast into the local
    shard); gradients are zeroed.
 """

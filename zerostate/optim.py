@@ -237,8 +237,10 @@ class CombinedOptimizer(Optimizer):
         defaults: dict = {}
         for opt in optimizers:
             defaults.update(opt.defaults)
-        # Optimizer.__init__ keeps the very dicts it is given, so the groups stay shared.
-        super().__init__([g for opt in optimizers for g in opt.param_groups], defaults)
+        # Optimizer.__init__ keeps the very dicts it is given, so the groups stay shared; no
+        # defaults there, or it would add one class's keys to the other's groups.
+        super().__init__([g for opt in optimizers for g in opt.param_groups], {})
+        self.defaults = defaults  # what schedulers inspect (OneCycleLR: betas or momentum)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
