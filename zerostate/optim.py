@@ -27,6 +27,7 @@ and checkpoint metadata written by any rank describes all of them.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -269,6 +270,7 @@ class ShardedOptimizer:
         self.trainable = trainable
         self._by_name = {sp.name: sp for sp in trainable}
         self.step_count = 0
+        self._strict = True
         if resolved is None:
             # The engine's own AdamW: decay / no-decay groups from EngineConfig. foreach=True
             # keeps the numbers of earlier releases, which followed that implementation.
@@ -378,7 +380,9 @@ class ShardedOptimizer:
         """Make the local state hold exactly the checkpoint's per-element state keys (zero
         tensors for now; the checkpoint reader fills them), before the views are listed."""
         self._check_meta(meta)
+        self._strict = strict
         saved = meta["state"]
+        known = {n for members in meta["group_params"] for n in members}
         for name in saved:
             if name not in self._by_name and strict:
                 raise CheckpointError(
@@ -389,9 +393,9 @@ class ShardedOptimizer:
             entry = saved.get(sp.name)
             opt = self._inner_of(sp)
             if entry is None:
-                if strict:
+                if sp.name in known:
                     opt.state.pop(sp.master, None)  # not stepped yet when it was saved
-                continue
+                continue  # else unknown to the checkpoint: the reader reports it missing
             keys = entry.get("tensors")
             if not isinstance(keys, list) or not all(
                 isinstance(k, str) and _STATE_KEY.match(k) for k in keys
@@ -407,7 +411,17 @@ class ShardedOptimizer:
     def finish_load(self, meta: dict, step: int) -> None:
         """Restore group hyperparameters and scalar state after the tensors were read."""
         groups = self.optimizer.param_groups
-        for g, enc in zip(groups, meta["param_groups"], strict=True):
+        names = [[sp.name for sp in m] for m in self.group_members]
+        if meta["group_params"] != names:
+            if self._strict:
+                raise CheckpointError(
+                    "the checkpoint's optimizer param groups hold other parameters than this "
+                    "engine's; build the optimizer with the same groups (same parameters, in "
+                    "the same order) as the run that saved it"
+                )
+            if len(meta["param_groups"]) != len(groups):
+                groups = []  # strict=False: keep this engine's group settings
+        for g, enc in zip(groups, meta["param_groups"], strict=False):
             hyper = jsonstate.decode(enc, "param group")
             if not isinstance(hyper, dict):
                 raise CheckpointError("a saved param group is not a dict")
@@ -447,15 +461,13 @@ class ShardedOptimizer:
                 f"the checkpoint was trained with optimizer(s) {meta.get('classes')} but this "
                 f"engine runs {mine}; build the engine with the same optimizer classes"
             )
-        names = [[sp.name for sp in m] for m in self.group_members]
-        if meta.get("group_params") != names:
-            raise CheckpointError(
-                "the checkpoint's optimizer param groups hold other parameters than this "
-                "engine's; build the optimizer with the same groups (same parameters, in the "
-                "same order) as the run that saved it"
-            )
-        if not isinstance(meta.get("param_groups"), list) or not isinstance(
-            meta.get("state"), dict
+        groups = meta.get("group_params")
+        if (
+            not isinstance(groups, list)
+            or not all(isinstance(m, list) and all(isinstance(n, str) for n in m) for m in groups)
+            or not isinstance(meta.get("param_groups"), list)
+            or len(meta["param_groups"]) != len(groups)
+            or not isinstance(meta.get("state"), dict)
         ):
             raise CheckpointError("optimizer metadata is malformed")
 
@@ -482,8 +494,6 @@ def legacy_adamw_metadata(names: list[list[str]], step: int, groups: list[dict])
 def _constructor_defaults(opt: Optimizer) -> dict:
     """Keyword arguments that rebuild ``opt``'s class with its defaults; the groups carry
     every per-group value anyway, so only keys the constructor accepts are passed."""
-    import inspect
-
     accepted = inspect.signature(type(opt).__init__).parameters
     return {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
 
