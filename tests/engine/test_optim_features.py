@@ -205,6 +205,23 @@ def _worker(rank: int, world_size: int, ckpt: str) -> dict:
     except CheckpointError as exc:
         out["unknown_name"] = str(exc)
 
+    # Another optimizer class, or other groups, than the run that saved: named, not loaded.
+    mismatches = {}
+    for key, make in {
+        "class": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        "groups": lambda m: torch.optim.AdamW(
+            [{"params": m.used.parameters()}, {"params": [m.extra, *m.unused.parameters()]}]
+        ),
+    }.items():
+        model = Partial()
+        other = zerostate.Engine(model, stage=2, optimizer=make(model))
+        try:
+            other.load(ckpt)
+            mismatches[key] = None
+        except CheckpointError as exc:
+            mismatches[key] = str(exc)
+    out["mismatches"] = mismatches
+
     # An engine state written before optimizer metadata existed (version 1: built-in AdamW,
     # moments for every trainable parameter) still loads.
     engine3 = zerostate.Engine(Partial(), stage=2, lr=0.05)
@@ -255,6 +272,8 @@ def test_user_optimizer_features(tmp_path) -> None:
     for rank_result in results:
         assert rank_result["stateful"] == (True,) * 5
         assert "no state for stateful['nothing']" in rank_result["unknown_name"]
+    assert "trained with optimizer(s) ['AdamW']" in r["mismatches"]["class"]
+    assert "param groups hold other parameters" in r["mismatches"]["groups"]
     assert r["legacy"] == (7, ["exp_avg", "exp_avg_sq"], 7.0)
     assert r["other_world_sched"] == 3
     assert "cannot be mapped onto 1 ranks" in r["other_world_sampler"]
