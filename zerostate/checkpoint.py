@@ -34,6 +34,7 @@ background thread (a fresh thread's current device is 0, which is not every loca
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -49,14 +50,13 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
+from zerostate import collectives, jsonstate
 from zerostate.errors import (
     CheckpointError,
     ConfigError,
     DistributedMismatchError,
     ZerostateError,
 )
-from zerostate.partition import TensorLayout
 from zerostate.store import (
     StepExistsError,
     StepWriter,
@@ -136,6 +136,27 @@ class _Piece:
     source: torch.Tensor  # 1-D slice of the live tensor (may be on an accelerator)
 
 
+def _digest(value: Any) -> int:
+    """A 63-bit fingerprint of a JSON value, for comparing it across ranks."""
+    raw = hashlib.sha256(json.dumps(value, sort_keys=True).encode()).digest()
+    return int.from_bytes(raw[:8], "little") >> 1
+
+
+def _check_stateful(stateful: Any, *, loading: bool) -> dict:
+    if stateful is None:
+        return {}
+    if not isinstance(stateful, dict) or not all(isinstance(k, str) for k in stateful):
+        raise ConfigError("stateful must be a dict of {name: object with state_dict()}")
+    method = "load_state_dict" if loading else "state_dict"
+    for name, obj in stateful.items():
+        if not callable(getattr(obj, method, None)):
+            raise ConfigError(
+                f"stateful[{name!r}] ({type(obj).__name__}) has no {method}(); pass objects "
+                "with state_dict() and load_state_dict(), such as LR schedulers"
+            )
+    return stateful
+
+
 def _json_checked(value: Any, what: str) -> Any:
     try:
         json.dumps(value)
@@ -199,23 +220,13 @@ class Checkpointer:
                 f"rank {self.rank}'s part succeeded and nothing was committed"
             )
 
-    def _rng_pieces(self) -> list[_Piece]:
-        # Every rank lists every rank's RNG tensor (the spec list must be identical on all
-        # ranks); each rank owns only its own, as one whole chunk.
+    @staticmethod
+    def _rng_state() -> dict:
+        """This rank's RNG states, JSON-encoded for the manifest's per-rank slot."""
         states = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             states["cuda"] = torch.cuda.get_rng_state()
-        pieces = []
-        for kind, state in states.items():
-            numel = state.numel()
-            for r in range(self.world_size):
-                layout = TensorLayout(numel, self.world_size, max(1, numel), r)
-                spec = TensorSpec(f"rng/rank-{r:05d}/{kind}", (numel,), torch.uint8, layout)
-                if r == self.rank:
-                    pieces.append(_Piece(spec, state.reshape(-1)))
-                else:
-                    pieces.append(_Piece(spec, state.new_empty(0)))
-        return pieces
+        return jsonstate.encode(states, "RNG state")
 
     def _pieces(self) -> list[_Piece]:
         pieces = []
@@ -231,7 +242,7 @@ class Checkpointer:
             source = view.local.reshape(-1)[start : start + (hi - lo)] if hi > lo else None
             spec = TensorSpec(view.name, tuple(view.shape), view.dtype, view.layout)
             pieces.append(_Piece(spec, source if source is not None else view.local[:0]))
-        return pieces + self._rng_pieces()
+        return pieces
 
     def _host_buffer(self, name: str, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(name)
@@ -322,9 +333,16 @@ class Checkpointer:
         keep_last: int | None = None,
         storage_options: dict | None = None,
         progress: Callable[[int], None] | None = None,
+        stateful: dict | None = None,
     ) -> SaveHandle:
         start = time.perf_counter()
         self._check_open()
+        stateful = _check_stateful(stateful, loading=False)
+        # Encoded now, on the caller's thread: the objects keep changing after save() returns.
+        objects = {
+            name: jsonstate.encode(obj.state_dict(), f"stateful[{name!r}].state_dict()")
+            for name, obj in stateful.items()
+        }
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
         step = int(self.engine.optimizer_steps if step is None else step)
@@ -352,7 +370,7 @@ class Checkpointer:
                     remove_partial_steps(path, storage_options=storage_options, only_step=step)
         except Exception as exc:  # reported to every rank below, then re-raised here
             code, error = _FAILED, exc
-        rows = self._exchange([code, save_id, step])
+        rows = self._exchange([code, save_id, step, _digest(sorted(objects)), _digest(objects)])
         self._raise_if_failed(
             error, [r[0] == _FAILED for r in rows], f"preparing save of step {step}"
         )
@@ -362,6 +380,14 @@ class Checkpointer:
                 f"ranks are saving different steps ({dict(enumerate(steps))}); every rank must "
                 "call save() with the same step (the default, optimizer_steps, agrees)"
             )
+        if len({r[3] for r in rows}) > 1:
+            raise DistributedMismatchError(
+                "ranks passed different stateful= names to save(); pass the same objects "
+                "(by name) on every rank"
+            )
+        # Objects whose state is the same on every rank are saved once, in the commit
+        # record; otherwise every rank keeps its own (see [Note: per-rank stateful objects]).
+        per_rank = len({r[4] for r in rows}) > 1
         code, save_id = rows[0][0], rows[0][1]
         if code == _REFUSED:
             raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
@@ -371,6 +397,12 @@ class Checkpointer:
                 "or delete it first"
             )
         try:
+            rank_state = {"rng": self._rng_state()}
+            if per_rank:  # see [Note: per-rank stateful objects]
+                rank_state["stateful"] = objects
+                attrs["stateful_per_rank"] = sorted(objects)
+            else:
+                attrs["stateful"] = objects
             pieces = self._pieces()
             writer = StepWriter(
                 path,
@@ -379,6 +411,7 @@ class Checkpointer:
                 world_size=self.world_size,
                 specs=[p.spec for p in pieces],
                 attrs=attrs,
+                rank_state=rank_state,
                 storage_options=storage_options,
                 timeout_s=self.timeout_s,
                 progress=progress,
@@ -486,13 +519,16 @@ class Checkpointer:
         step: int | None = None,
         storage_options: dict | None = None,
         strict: bool = True,
+        stateful: dict | None = None,
     ) -> Any:
         self._check_open()
-        error, st = None, None
+        stateful = _check_stateful(stateful, loading=True)
+        error, st, restore = None, None, None
         try:
             self.wait()
             self.before_update()
             st = self._read_step(path, step, storage_options, strict)
+            restore = self._saved_rank_state(st, stateful, strict)
         except Exception as exc:
             error = exc
         # Every rank must know before the collectives below whether all ranks read their
@@ -500,7 +536,10 @@ class Checkpointer:
         self._agree(error, f"loading {path}")
         self.engine.load_engine_state(st.attrs.get("engine", {}))
         self.engine.refresh_from_masters()
-        self._restore_rng(st)
+        rng, objects = restore
+        self._restore_rng(st, rng)
+        for name, value in objects.items():
+            stateful[name].load_state_dict(value)
         self._barrier()
         return st.attrs.get("client_state")
 
@@ -509,6 +548,7 @@ class Checkpointer:
     ) -> Any:
         """Open the step, check it fits the model and read this rank's ranges."""
         st = open_checkpoint(path, storage_options=storage_options).step(step)
+        self.engine.prepare_engine_state(st.attrs.get("engine", {}), strict=strict)
         views = self.engine.state_views()
         missing = [v.name for v in views if v.name not in st.tensors]
         if not strict:
@@ -536,6 +576,54 @@ class Checkpointer:
                 fut.result()
         return st
 
+    def _saved_rank_state(
+        self, st: Any, stateful: dict, strict: bool
+    ) -> tuple[dict | None, dict[str, Any]]:
+        """``(RNG states to restore or None, {name: decoded state} for ``stateful``)``.
+
+        [Note: per-rank stateful objects]
+        A save compares the encoded states of the ``stateful`` objects across ranks. If
+        they are equal on every rank (a scheduler; a sampler that keeps a global position)
+        they are stored once, in the commit record, and restored on every rank at any world
+        size. Otherwise each rank's states go into its own manifest and can only be restored
+        at the same world size, each rank taking its own; at another world size the load
+        fails naming them, because no mapping of N ranks' positions onto M ranks is right in
+        general: keep such state global (derive per-rank parts such as RNG seeds from a
+        saved base seed and the rank) or leave it out. RNG states are per rank too and are
+        restored only at the same world size (elsewhere the ranks keep their own streams).
+        Each rank reads at most its own manifest."""
+        mine = None
+        if st.world_size == self.world_size:
+            mine = st.rank_state(self.rank) or {}
+        objects: dict[str, Any] = {}
+        shared = st.attrs.get("stateful")
+        for name in stateful:
+            if isinstance(shared, dict) and name in shared:
+                value = shared[name]
+            elif mine is not None and name in mine.get("stateful", {}):
+                value = mine["stateful"][name]
+            elif name in st.attrs.get("stateful_per_rank", ()):
+                raise CheckpointError(
+                    f"stateful[{name!r}] was saved with a different state on each of "
+                    f"{st.world_size} ranks and cannot be mapped onto {self.world_size} "
+                    "ranks; make its state the same on every rank (derive per-rank parts "
+                    "from the rank) or leave it out of stateful= when the world size "
+                    "changes"
+                )
+            elif strict:
+                raise CheckpointError(
+                    f"step {st.step} holds no state for stateful[{name!r}]; was it saved "
+                    "with engine.save(..., stateful={...}) under that name? (strict=False "
+                    "leaves the object as it is)"
+                )
+            else:
+                continue
+            objects[name] = jsonstate.decode(value, f"stateful[{name!r}]")
+        rng = None
+        if mine is not None and "rng" in mine:
+            rng = jsonstate.decode(mine["rng"], f"RNG state of rank {self.rank}")
+        return rng, objects
+
     @staticmethod
     def _load_view(st: Any, view: Any) -> None:
         numel = view.local.numel()
@@ -555,12 +643,16 @@ class Checkpointer:
         with torch.no_grad():
             local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
 
-    def _restore_rng(self, st: Any) -> None:
+    def _restore_rng(self, st: Any, rng: dict | None) -> None:
         if st.world_size != self.world_size:
             return  # RNG streams of N ranks cannot be mapped onto M ranks
-        name = f"rng/rank-{self.rank:05d}/cpu"
-        if name in st.tensors:
-            torch.set_rng_state(st.read(name).to(torch.uint8))
-        name = f"rng/rank-{self.rank:05d}/cuda"
-        if name in st.tensors and torch.cuda.is_available():
-            torch.cuda.set_rng_state(st.read(name).to(torch.uint8))
+        if rng is None:  # format 1 kept them as tensors
+            rng = {
+                kind: st.read(f"rng/rank-{self.rank:05d}/{kind}")
+                for kind in ("cpu", "cuda")
+                if f"rng/rank-{self.rank:05d}/{kind}" in st.tensors
+            }
+        if isinstance(rng.get("cpu"), torch.Tensor):
+            torch.set_rng_state(rng["cpu"].to(torch.uint8))
+        if isinstance(rng.get("cuda"), torch.Tensor) and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"].to(torch.uint8))

@@ -13,9 +13,10 @@ One optimizer step (``K = grad_accum_steps``):
    unit collectives while backward runs; what is left is flushed.
 3. ``engine.step()``: on the K-th call, each rank's gradient (shard) is taken in fp32 and
    divided by ``world_size * K * loss_scale`` (the mean over the global batch); one
-   all-reduce of the squared norm (when clipping or fp16) gives the global norm and the
-   overflow verdict on every rank; the optimizer updates the fp32 master shards; the
-   strategy refreshes the working parameters; gradients are zeroed.
+   all-reduce of the squared norm and per-parameter gradient flags gives the global norm,
+   the overflow verdict and which parameters to step on every rank; the optimizer
+   (zerostate.optim) updates the fp32 master shards; the strategy refreshes the working
+   parameters; gradients are zeroed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig
 from zerostate.errors import ConfigError, ZerostateError
-from zerostate.optim import PartitionedAdamW, ShardGroup, sum_of_squares
+from zerostate.muon import gather_full
+from zerostate.optim import ShardedOptimizer, describe, resolve_user_optimizers, sum_of_squares
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
@@ -43,7 +45,12 @@ from zerostate.strategies import make_strategy
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
-ENGINE_STATE_VERSION = 1
+ENGINE_STATE_VERSION = 2
+#: Engine states of version 1 (built-in AdamW only, no optimizer metadata) still load.
+_READABLE_ENGINE_STATES = (1, 2)
+#: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
+#: user optimizer's business.
+_ADAMW_FIELDS = ("lr", "betas", "eps", "weight_decay", "no_decay")
 
 
 class EngineUsageError(ZerostateError, RuntimeError):
@@ -100,19 +107,36 @@ def _model_aspects(model: nn.Module, config: EngineConfig | None) -> dict[str, A
 
 
 class Engine:
-    """ZeRO stage 0-3 data-parallel training of ``model`` with partitioned AdamW.
+    """ZeRO stage 0-3 data-parallel training of ``model`` with a partitioned optimizer.
 
-    ``Engine(model, config=None, **settings)``: settings are :class:`EngineConfig` fields.
-    ``torch.distributed`` must be initialised (one process is fine); construction is
-    collective over ``group``.
+    ``Engine(model, config=None, *, optimizer=None, **settings)``: settings are
+    :class:`EngineConfig` fields. ``optimizer`` is a torch optimizer built over the model's
+    parameters (any param groups), or a list of them (``[Muon(matrices), AdamW(rest)]``);
+    the engine runs that class with those hyperparameters on its fp32 master shards
+    (see zerostate.optim). Without it, AdamW from ``lr``, ``betas``, ``eps``,
+    ``weight_decay`` and ``no_decay``. ``torch.distributed`` must be initialised (one
+    process is fine); construction is collective over ``group``.
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: EngineConfig | None = None,
+        *,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+        **kwargs: Any,
+    ):
         error: ZerostateError | None = None
+        self._resolved: Any = None
         try:
             config = _build_config(config, kwargs)
         except ConfigError as exc:
             error, config = exc, None
+        if error is None and optimizer is not None and isinstance(model, nn.Module):
+            try:
+                self._resolved = self._check_optimizer(model, config, optimizer, kwargs)
+            except ZerostateError as exc:
+                error = exc
         group = config.group if config is not None else kwargs.get("group")
         self.rank, self.world_size = collectives.group_info(group)
         if error is None:
@@ -122,7 +146,7 @@ class Engine:
                 error = exc
         device = self._pick_device(model, config)
         collectives.check_agreement(
-            _model_aspects(model, config),
+            {**_model_aspects(model, config), "optimizer": describe(optimizer)},
             error,
             group=group,
             world_size=self.world_size,
@@ -195,6 +219,21 @@ class Engine:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
+    @staticmethod
+    def _check_optimizer(
+        model: nn.Module, config: EngineConfig, optimizer: Any, kwargs: dict
+    ) -> Any:
+        defaults = EngineConfig()
+        given = [
+            f for f in _ADAMW_FIELDS if f in kwargs or getattr(config, f) != getattr(defaults, f)
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} configure the built-in AdamW and have no effect with "
+                "optimizer=; set them in the optimizer's param groups instead"
+            )
+        return resolve_user_optimizers(optimizer, list(model.named_parameters()))
+
     def _init_buffers(self) -> None:
         # Buffers are replicated; rank 0 checkpoints each one whole.
         for module in self.module.modules():
@@ -207,32 +246,40 @@ class Engine:
             TensorLayout(b.numel(), self.world_size, max(1, b.numel()), 0) for _, b in state
         ]
 
-    def _build_optimizer(self) -> PartitionedAdamW:
-        groups = []
-        for decay in (True, False):
-            members = [
-                (i, sp)
-                for i, sp in enumerate(self._trainable)
-                if sp.no_decay != decay and sp.master.numel()
-            ]
-            for _, sp in members:
-                sp.exp_avg = torch.zeros_like(sp.master)
-                sp.exp_avg_sq = torch.zeros_like(sp.master)
-            groups.append(
-                ShardGroup(
-                    weight_decay=self.config.weight_decay if decay else 0.0,
-                    indices=[i for i, _ in members],
-                    params=[sp.master for _, sp in members],
-                    exp_avgs=[sp.exp_avg for _, sp in members],
-                    exp_avg_sqs=[sp.exp_avg_sq for _, sp in members],
-                )
-            )
-        for sp in self._trainable:
-            if sp.exp_avg is None:  # owns nothing of this parameter
-                sp.exp_avg = torch.zeros_like(sp.master)
-                sp.exp_avg_sq = torch.zeros_like(sp.master)
+    def _build_optimizer(self) -> ShardedOptimizer:
         c = self.config
-        return PartitionedAdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps)
+
+        def gather(sps: list[ShardedParam], shards: list[torch.Tensor]) -> list[torch.Tensor]:
+            if self.stage == 0:  # masters are whole tensors already
+                return [t.reshape(-1) for t in shards]
+            return gather_full(
+                sps,
+                shards,
+                rank=self.rank,
+                world_size=self.world_size,
+                group=self.group,
+                stats=self._stats,
+            )
+
+        # Which parameters received a gradient in this accumulation window, on this rank;
+        # step() ORs it across ranks (see [Note: uniform stepping] in zerostate.optim).
+        self._got_grad = [False] * len(self._trainable)
+        for i, sp in enumerate(self._trainable):
+            sp.param.register_post_accumulate_grad_hook(self._make_flag_hook(i))
+        optimizer = ShardedOptimizer(
+            self._trainable,
+            self._resolved,
+            adamw=dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
+            gather=gather,
+        )
+        self._resolved = None  # holds the user's optimizer; not needed any more
+        return optimizer
+
+    def _make_flag_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._got_grad[index] = True
+
+        return hook
 
     def _make_grad_hook(self, sp: ShardedParam):
         strategy = self._strategy
@@ -294,20 +341,24 @@ class Engine:
         grads = [g if g.dtype == torch.float32 else g.float() for g in self._strategy.step_grads()]
         divisor = self.world_size * self.config.grad_accum_steps * self._scaler.scale
         torch._foreach_mul_(grads, 1.0 / divisor)
-        overflow = False
-        if self._scaler.enabled or self.config.grad_clip is not None:
-            squares = sum_of_squares(grads)
-            self._strategy.reduce_squares(squares)
-            norm = squares.sqrt()
-            self.last_grad_norm = float(norm)
-            overflow = self._scaler.enabled and not math.isfinite(self.last_grad_norm)
-            if self.config.grad_clip is not None and not overflow:
-                coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0).reshape(())
-                torch._foreach_mul_(grads, coef)
+        # One all-reduce gives the global squared norm and, per parameter, how many ranks
+        # saw a gradient (a parameter no rank saw is not stepped, as torch skips it).
+        squares = sum_of_squares(grads)
+        flags = torch.tensor(self._got_grad, dtype=torch.float32, device=squares.device)
+        folded = torch.cat([squares, flags])
+        self._strategy.reduce_norm_and_flags(folded)
+        norm = folded[:1].sqrt()
+        stepped = (folded[1:] > 0).tolist()
+        self._got_grad = [False] * len(self._trainable)
+        self.last_grad_norm = float(norm)
+        overflow = self._scaler.enabled and not math.isfinite(self.last_grad_norm)
+        if self.config.grad_clip is not None and not overflow:
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0).reshape(())
+            torch._foreach_mul_(grads, coef)
         if not overflow:
             if self._checkpointer is not None:
                 self._checkpointer.before_update()  # an async save may still be reading
-            self._optimizer.step(grads)
+            self._optimizer.step(grads, stepped)
             self._strategy.refresh()
         self._scaler.update(overflow)
         self._strategy.zero()
@@ -323,6 +374,13 @@ class Engine:
     def optimizer_steps(self) -> int:
         return self._optimizer.step_count
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer running on this rank's master shards. Its ``param_groups``
+        are live (schedulers, ``param_groups[i]["lr"] = ...`` apply at the next step);
+        step it through :meth:`step`, not directly."""
+        return self._optimizer.optimizer
+
     # -- state access ----------------------------------------------------------------------
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         buffers = dict(adapt.replicated_state(self.module))
@@ -335,7 +393,7 @@ class Engine:
             start = sp.master_start
             kinds = [("model", sp.master)]
             if sp.trainable:
-                kinds += [("optim/exp_avg", sp.exp_avg), ("optim/exp_avg_sq", sp.exp_avg_sq)]
+                kinds += [(f"optim/{k}", t) for k, t in self._optimizer.state_tensors(sp)]
             for kind, tensor in kinds:
                 views.append(
                     ShardView(
@@ -359,20 +417,44 @@ class Engine:
             "config": self.config.summary(),
             "tied": dict(self.tied),
             "frozen": [sp.name for sp in self._params if not sp.trainable],
+            "optimizer": self._optimizer.metadata(),
         }
 
-    def load_engine_state(self, state: dict) -> None:
+    def _optimizer_meta(self, state: dict) -> dict:
+        meta = state.get("optimizer")
+        if meta is None and state.get("version") == 1:
+            from zerostate.optim import legacy_adamw_metadata
+
+            return legacy_adamw_metadata(
+                [[sp.name for sp in m] for m in self._optimizer.group_members],
+                state.get("step", 0),
+                self.optimizer.param_groups,
+            )
+        return meta
+
+    def prepare_engine_state(self, state: dict, *, strict: bool = True) -> None:
+        """Before a checkpoint's tensors are read: give the optimizer exactly the state
+        tensors the checkpoint holds, so :meth:`state_views` lists them."""
+        self._check_engine_state(state)
+        self._optimizer.prepare_load(self._optimizer_meta(state), strict=strict)
+
+    @staticmethod
+    def _check_engine_state(state: Any) -> None:
         if not isinstance(state, dict):
             raise ConfigError(f"engine state must be a dict, got {type(state).__name__}")
         version = state.get("version")
-        if version != ENGINE_STATE_VERSION:
+        if version not in _READABLE_ENGINE_STATES:
             raise ConfigError(
-                f"engine state version {version!r} is not {ENGINE_STATE_VERSION}; it was "
-                "written by an incompatible zerostate"
+                f"engine state version {version!r} is not one of {_READABLE_ENGINE_STATES}; "
+                "it was written by an incompatible zerostate"
             )
         step = state.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ConfigError(f"engine state step={step!r} must be an integer >= 0")
+
+    def load_engine_state(self, state: dict) -> None:
+        self._check_engine_state(state)
+        step = state["step"]
         tied = state.get("tied", {})
         if tied != self.tied:
             raise ConfigError(
@@ -380,7 +462,7 @@ class Engine:
                 "a model with the same weight tying"
             )
         self._scaler.load_state_dict(state.get("loss_scaler", {"scale": 1.0, "good_steps": 0}))
-        self._optimizer.step_count = step
+        self._optimizer.finish_load(self._optimizer_meta(state), step)
         self._micro_step = 0
 
     def refresh_from_masters(self) -> None:
@@ -404,6 +486,7 @@ class Engine:
         client_state: Any = None,
         keep_last: int | None = None,
         storage_options: dict | None = None,
+        stateful: dict | None = None,
     ) -> Any:
         """Collective: every rank writes its own partitions of master weights, Adam moments,
         buffers and RNG state under ``path/step-<step>/`` (a local path or fsspec URL).
@@ -414,6 +497,10 @@ class Engine:
         flight; errors surface at the next save, ``handle.wait()`` or exit). ``client_state``
         is JSON-able data (a data-loader position, say) that :meth:`load` returns.
         ``keep_last`` deletes older committed steps beyond that many after the commit.
+        ``stateful`` maps names to objects with ``state_dict()`` / ``load_state_dict()``
+        (LR schedulers, samplers): their states are stored as JSON (tensors included, never
+        pickle), per rank; :meth:`load` restores them in place (see [Note: per-rank
+        stateful objects] in zerostate.checkpoint for a changed world size).
         """
         return self._ckpt().save(
             path,
@@ -422,6 +509,7 @@ class Engine:
             client_state=client_state,
             keep_last=keep_last,
             storage_options=storage_options,
+            stateful=stateful,
         )
 
     def load(
@@ -431,11 +519,16 @@ class Engine:
         step: int | None = None,
         storage_options: dict | None = None,
         strict: bool = True,
+        stateful: dict | None = None,
     ) -> Any:
         """Collective: load step ``step`` (latest committed when None) written at ANY world
         size and stage; each rank reads only the ranges it holds. Returns ``client_state``.
-        ``strict=False`` leaves state the checkpoint lacks as it is (new parameters, say)."""
-        state = self._ckpt().load(path, step=step, storage_options=storage_options, strict=strict)
+        ``strict=False`` leaves state the checkpoint lacks as it is (new parameters, say).
+        ``stateful`` objects are restored in place from the states saved under their names;
+        optimizer state and group hyperparameters (scheduled ``lr`` included) always are."""
+        state = self._ckpt().load(
+            path, step=step, storage_options=storage_options, strict=strict, stateful=stateful
+        )
         self._unset.clear()  # a checkpoint holds every parameter and buffer (or strict=False)
         return state
 
@@ -506,7 +599,7 @@ class Engine:
         held = self._strategy.bytes_held()
         params, grads = held["params"], held["grads"]
         master = sum(nbytes(sp.master) for sp in self._params if not sp.master_aliased)
-        optim = sum(nbytes(sp.exp_avg) + nbytes(sp.exp_avg_sq) for sp in self._trainable)
+        optim = self._optimizer.state_bytes()
         in_flight = held["in_flight"] + self._pool.allocated_bytes
         model_states = params + grads + master + optim
         return {

@@ -1,66 +1,501 @@
-"""AdamW over the fp32 shards a rank owns.
+"""Any supported ``torch.optim`` optimizer, run on the fp32 master shards a rank owns.
 
-AdamW is element-wise, so running it on any partition of the elements gives, element for
-element, what ``torch.optim.AdamW`` gives on the whole tensor; the ops below follow its
-multi-tensor (``foreach=True``) implementation line by line so the numbers match.
+The user builds a normal torch optimizer over the model's parameters, with any param
+groups. :func:`resolve_user_optimizers` maps its groups to parameter names (by identity)
+and :class:`ShardedOptimizer` builds an *inner* instance of the same class, with the same
+group hyperparameters, over this rank's master shards. That inner instance is what
+``engine.optimizer`` returns, so its ``param_groups`` are live: LR schedulers and direct
+edits take effect at the next step.
 
-Phases of :meth:`PartitionedAdamW.step`, per parameter group (one ``torch._foreach_*``
-call per phase over all of the group's shards):
+[Note: element-wise optimizers]
+An element-wise optimizer (every update element depends only on the same element of the
+parameter, gradient and state) gives, element for element, the same result on any
+partition of the elements as on the whole tensor. So the torch class itself runs on the
+shards; its per-parameter state tensors have the shard's shape and are partitioned like
+the parameter (checkpoint name ``optim/<state key>/<param name>``), its scalar state
+(``step``, NAdam's ``mu_product``) is identical on every rank and goes to JSON metadata.
+Optimizers that need whole matrices get their own class (:mod:`zerostate.muon`); anything
+else is refused, because running it on shards would silently compute a different update.
 
-1. decoupled weight decay: ``p *= 1 - lr * weight_decay``
-2. moments: ``m = lerp(m, g, 1 - beta1)``; ``v = beta2 * v + (1 - beta2) * g * g``
-3. bias-corrected update: ``p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``
+[Note: uniform stepping]
+torch skips a parameter whose ``.grad`` is None. The engine decides per parameter, the
+same way on every rank, whether it is stepped (it received a gradient on some rank), and
+then every rank steps it, including ranks that own zero elements of it (an empty shard
+with an empty gradient). So every rank holds the same state keys for every parameter,
+and checkpoint metadata written by any rank describes all of them.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from torch.optim import Optimizer
+
+from zerostate import jsonstate
+from zerostate.errors import CheckpointError, ConfigError
+from zerostate.muon import PartitionedMuon
+from zerostate.sharded import ShardedParam
+
+OPTIMIZER_STATE_VERSION = 1
+_STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-@dataclass
-class ShardGroup:
-    """The shards of one parameter group, index-aligned lists."""
-
-    weight_decay: float
-    indices: list[int]  # positions in the engine's trainable-parameter list
-    params: list[torch.Tensor]  # fp32 master shards, updated in place
-    exp_avgs: list[torch.Tensor]
-    exp_avg_sqs: list[torch.Tensor]
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim keeps step counters in float64 only when that is the default dtype.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-class PartitionedAdamW:
+def _zeros(p: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _adam_state(group: dict, p: torch.Tensor) -> dict:
+    state = {"step": torch.tensor(0.0, dtype=_scalar_dtype()), "exp_avg": _zeros(p)}
+    state["exp_avg_sq"] = _zeros(p)
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = _zeros(p)
+    return state
+
+
+def _nadam_state(group: dict, p: torch.Tensor) -> dict:
+    return {
+        "step": torch.tensor(0.0, dtype=_scalar_dtype()),
+        "mu_product": torch.tensor(1.0, dtype=_scalar_dtype()),
+        "exp_avg": _zeros(p),
+        "exp_avg_sq": _zeros(p),
+    }
+
+
+def _radam_state(group: dict, p: torch.Tensor) -> dict:
+    return {"step": torch.tensor(0.0, dtype=_scalar_dtype()), "exp_avg": _zeros(p),
+            "exp_avg_sq": _zeros(p)}  # fmt: skip
+
+
+def _adamax_state(group: dict, p: torch.Tensor) -> dict:
+    return {"step": torch.tensor(0.0, dtype=_scalar_dtype()), "exp_avg": _zeros(p),
+            "exp_inf": _zeros(p)}  # fmt: skip
+
+
+def _rmsprop_state(group: dict, p: torch.Tensor) -> dict:
+    state = {"step": torch.zeros((), dtype=_scalar_dtype()), "square_avg": _zeros(p)}
+    if group.get("momentum", 0) > 0:
+        state["momentum_buffer"] = _zeros(p)
+    if group.get("centered"):
+        state["grad_avg"] = _zeros(p)
+    return state
+
+
+def _adadelta_state(group: dict, p: torch.Tensor) -> dict:
+    return {"step": torch.zeros((), dtype=_scalar_dtype()), "square_avg": _zeros(p),
+            "acc_delta": _zeros(p)}  # fmt: skip
+
+
+def _muon_state(group: dict, p: torch.Tensor) -> dict:
+    return {"momentum_buffer": _zeros(p)}
+
+
+# Supported classes and the state torch would create at their first step, created here at
+# construction instead (same values), so memory is allocated up front as the ZeRO
+# accounting expects. None: torch's own lazy initialisation is kept (SGD's momentum buffer
+# starts as a copy of the first gradient; Adagrad initialises in its constructor).
+_INITIAL_STATE: dict[type, Callable[[dict, torch.Tensor], dict] | None] = {
+    torch.optim.AdamW: _adam_state,
+    torch.optim.Adam: _adam_state,
+    torch.optim.NAdam: _nadam_state,
+    torch.optim.RAdam: _radam_state,
+    torch.optim.Adamax: _adamax_state,
+    torch.optim.RMSprop: _rmsprop_state,
+    torch.optim.Adadelta: _adadelta_state,
+    torch.optim.SGD: None,
+    torch.optim.Adagrad: None,
+}
+_WHOLE_MATRIX: dict[type, type] = {}
+if hasattr(torch.optim, "Muon"):
+    _WHOLE_MATRIX[torch.optim.Muon] = PartitionedMuon
+_REFUSED = {
+    "LBFGS": "it re-evaluates the loss through a closure and keeps whole-model history "
+    "vectors; use a first-order optimizer such as AdamW",
+    "SparseAdam": "it needs sparse gradients, which the engine's dense gradient shards "
+    "never are; use Adam or AdamW",
+    "Adafactor": "its factored second moment needs whole rows and columns of each matrix, "
+    "which partitioned shards do not hold",
+}
+
+
+def supported_names() -> list[str]:
+    return sorted(c.__name__ for c in [*_INITIAL_STATE, *_WHOLE_MATRIX])
+
+
+def _check_class(opt: Any) -> None:
+    if not isinstance(opt, Optimizer):
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer (or a list of them), got "
+            f"{type(opt).__name__}"
+        )
+    cls = type(opt)
+    if cls in _INITIAL_STATE or cls in _WHOLE_MATRIX:
+        return
+    why = _REFUSED.get(cls.__name__)
+    if why is not None:
+        raise ConfigError(f"optimizer {cls.__name__} cannot run on partitioned shards: {why}")
+    # Unknown classes (subclasses of supported ones included) are refused: the engine can
+    # only vouch for an update it knows to be element-wise (see [Note: element-wise
+    # optimizers]); running anything else on shards could be silently wrong.
+    raise ConfigError(
+        f"optimizer {cls.__module__}.{cls.__qualname__} is not supported: the engine runs "
+        "the optimizer on partitions of each parameter and only knows these to be exact "
+        f"there: {', '.join(supported_names())}. Use one of them"
+    )
+
+
+def _has_stepped(opt: Optimizer) -> bool:
+    # Adagrad creates its state (step 0) in the constructor; any other state, or a step
+    # count above zero, comes from a step.
+    for st in opt.state.values():
+        step = st.get("step")
+        if (step is None and len(st)) or (step is not None and float(step) > 0):
+            return True
+    return False
+
+
+def resolve_user_optimizers(
+    optimizer: Optimizer | Sequence[Optimizer], named: list[tuple[str, torch.nn.Parameter]]
+) -> list[tuple[Optimizer, list[list[str]]]]:
+    """Validate the user's optimizer(s); per optimizer, its groups as parameter names
+    (``named`` is the model's ``named_parameters()``).
+
+    Frozen parameters in a group are dropped (they never receive a gradient, so torch
+    would never step them either).
+    """
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not opts:
+        raise ConfigError("optimizer=[] is empty; pass a torch optimizer, or omit it for AdamW")
+    by_id = {id(p): (n, p) for n, p in named}
+    owner: dict[str, int] = {}
+    out = []
+    for k, opt in enumerate(opts):
+        _check_class(opt)
+        if _has_stepped(opt):
+            raise ConfigError(
+                f"optimizer {type(opt).__name__} already holds state (it has been stepped); "
+                "pass a fresh optimizer to Engine and restore state with engine.load()"
+            )
+        groups = []
+        for g in opt.param_groups:
+            members = []
+            for p in g["params"]:
+                entry = by_id.get(id(p))
+                if entry is None:
+                    raise ConfigError(
+                        f"optimizer {type(opt).__name__} holds a tensor of shape "
+                        f"{tuple(p.shape)} that is not a parameter of the model; build it "
+                        "over model.parameters() (or groups of them)"
+                    )
+                name, param = entry
+                if name in owner:
+                    raise ConfigError(
+                        f"parameter {name} is in more than one optimizer group; put each "
+                        "parameter in exactly one"
+                    )
+                owner[name] = k
+                if param.requires_grad:
+                    members.append(name)
+            groups.append(members)
+        out.append((opt, groups))
+    missing = [n for n, p in named if p.requires_grad and n not in owner]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ConfigError(
+            f"{len(missing)} trainable parameter(s) are in no optimizer group: {shown}. Add "
+            "them to a group, or set requires_grad=False on those you mean to freeze"
+        )
+    return out
+
+
+def describe(optimizer: Any) -> Any:
+    """What must agree across ranks about the user's optimizer(s) (for the engine check)."""
+    if optimizer is None:
+        return None
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return [
+        (type(o).__name__, [repr({k: v for k, v in g.items() if k != "params"})
+                            for g in getattr(o, "param_groups", [])])
+        for o in opts
+    ]  # fmt: skip
+
+
+class CombinedOptimizer(Optimizer):
+    """Several inner optimizers behind one ``torch.optim.Optimizer`` (Muon for matrices,
+    AdamW for the rest, say). ``param_groups`` are the inner optimizers' own group dicts,
+    in order, so a scheduler on this object drives every group."""
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self.optimizers = optimizers
+        defaults: dict = {}
+        for opt in optimizers:
+            defaults.update(opt.defaults)
+        # Optimizer.__init__ keeps the very dicts it is given, so the groups stay shared; no
+        # defaults there, or it would add one class's keys to the other's groups.
+        super().__init__([g for opt in optimizers for g in opt.param_groups], {})
+        self.defaults = defaults  # what schedulers inspect (OneCycleLR: betas or momentum)
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ConfigError("the engine's optimizer step takes no closure")
+        for opt in self.optimizers:
+            opt.step()
+
+
+class ShardedOptimizer:
+    """The optimizer state of one rank: inner torch optimizer(s) over the master shards.
+
+    ``trainable`` is the engine's trainable-parameter list; ``step`` takes gradient shards
+    index-aligned with it. ``gather`` all-gathers full flat tensors from shards (for
+    optimizers that need whole matrices, see :mod:`zerostate.muon`).
+    """
+
     def __init__(
-        self, groups: list[ShardGroup], *, lr: float, betas: tuple[float, float], eps: float
+        self,
+        trainable: list[ShardedParam],
+        resolved: list[tuple[Optimizer, list[list[str]]]] | None,
+        *,
+        adamw: dict,
+        gather: Callable[[list[ShardedParam], list[torch.Tensor]], list[torch.Tensor]],
     ) -> None:
-        self.groups = groups
-        self.lr = lr
-        self.betas = betas
-        self.eps = eps
+        self.trainable = trainable
+        self._by_name = {sp.name: sp for sp in trainable}
         self.step_count = 0
-
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """``grads[i]`` is the fp32 gradient shard of trainable parameter ``i``."""
-        self.step_count += 1
-        beta1, beta2 = self.betas
-        bias_correction1 = 1 - beta1**self.step_count
-        bias_correction2_sqrt = math.sqrt(1 - beta2**self.step_count)
-        step_size = -self.lr / bias_correction1
-        for group in self.groups:
-            if not group.params:
+        self._strict = True
+        if resolved is None:
+            # The engine's own AdamW: decay / no-decay groups from EngineConfig. foreach=True
+            # keeps the numbers of earlier releases, which followed that implementation.
+            decay = [sp for sp in trainable if not sp.no_decay]
+            no_decay = [sp for sp in trainable if sp.no_decay]
+            resolved = [(None, [[sp.name for sp in decay], [sp.name for sp in no_decay]])]
+        self.inner: list[Optimizer] = []
+        self.group_members: list[list[ShardedParam]] = []
+        for user, names in resolved:
+            groups = [[self._by_name[n] for n in members] for members in names]
+            specs = []
+            for k, members in enumerate(groups):
+                hyper = (
+                    {"weight_decay": adamw["weight_decay"] if k == 0 else 0.0}
+                    if user is None
+                    else {key: v for key, v in user.param_groups[k].items() if key != "params"}
+                )
+                specs.append({**hyper, "params": [sp.master for sp in members]})
+                self.group_members.append(members)
+            if user is None:
+                opt = torch.optim.AdamW(
+                    specs, lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"], foreach=True
+                )
+            elif type(user) in _WHOLE_MATRIX:
+                opt = _WHOLE_MATRIX[type(user)](
+                    specs, user.defaults, members=[sp for m in groups for sp in m], gather=gather
+                )
+            else:
+                opt = type(user)(specs, **_constructor_defaults(user))
+            self.inner.append(opt)
+        self.optimizer: Optimizer = (
+            self.inner[0] if len(self.inner) == 1 else CombinedOptimizer(self.inner)
+        )
+        for opt in self.inner:
+            init = _INITIAL_STATE.get(type(opt))
+            if isinstance(opt, PartitionedMuon):
+                init = _muon_state
+            if init is None:
                 continue
-            g = [grads[i] for i in group.indices]
-            if group.weight_decay != 0:
-                torch._foreach_mul_(group.params, 1 - self.lr * group.weight_decay)
-            torch._foreach_lerp_(group.exp_avgs, g, 1 - beta1)
-            torch._foreach_mul_(group.exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(group.exp_avg_sqs, g, g, 1 - beta2)
-            denom = torch._foreach_sqrt(group.exp_avg_sqs)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, self.eps)
-            torch._foreach_addcdiv_(group.params, group.exp_avgs, denom, step_size)
+            for group in opt.param_groups:
+                if group.get("capturable") or group.get("fused"):
+                    continue  # device-resident counters: leave it to torch's own init
+                for shard in group["params"]:
+                    if not opt.state.get(shard):
+                        opt.state[shard] = init(group, shard)
+
+    def _state_of(self, sp: ShardedParam) -> dict:
+        for opt in self.inner:
+            if sp.master in opt.state:
+                return opt.state[sp.master]
+        return {}
+
+    # ------------------------------------------------------------------ stepping
+    def step(self, grads: list[torch.Tensor], stepped: list[bool]) -> None:
+        """One optimizer step. ``grads[i]`` is the fp32 gradient shard of trainable
+        parameter ``i``; parameters with ``stepped[i]`` False are skipped as torch skips a
+        parameter without a gradient (``stepped`` must agree across ranks)."""
+        for sp, grad, on in zip(self.trainable, grads, stepped, strict=True):
+            sp.master.grad = grad if on else None
+        try:
+            self.optimizer.step()
+        finally:
+            for sp in self.trainable:
+                sp.master.grad = None
+        self.step_count += 1
+
+    # -------------------------------------------------------------------- state
+    def state_tensors(self, sp: ShardedParam) -> list[tuple[str, torch.Tensor]]:
+        """Per-element state of ``sp``: tensors shaped like its master shard."""
+        return [
+            (key, value)
+            for key, value in self._state_of(sp).items()
+            if isinstance(value, torch.Tensor) and value.shape == sp.master.shape
+        ]
+
+    def state_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for sp in self.trainable for _, t in self.state_tensors(sp)
+        )
+
+    def metadata(self) -> dict:
+        """JSON description of the state that is not in the partitioned tensors."""
+        state = {}
+        for sp in self.trainable:
+            st = self._state_of(sp)
+            if not st:
+                continue
+            tensors = [key for key, _ in self.state_tensors(sp)]
+            scalars = {
+                key: jsonstate.encode(v, f"optimizer state {key} of {sp.name}")
+                for key, v in st.items()
+                if key not in tensors
+            }
+            state[sp.name] = {"tensors": tensors, "scalars": scalars}
+        return {
+            "version": OPTIMIZER_STATE_VERSION,
+            "classes": [type(opt).__name__ for opt in self.inner],
+            "group_params": [[sp.name for sp in m] for m in self.group_members],
+            "param_groups": [
+                jsonstate.encode({k: v for k, v in g.items() if k != "params"}, "param group")
+                for g in self.optimizer.param_groups
+            ],
+            "state": state,
+        }
+
+    def prepare_load(self, meta: dict, *, strict: bool = True) -> None:
+        """Make the local state hold exactly the checkpoint's per-element state keys (zero
+        tensors for now; the checkpoint reader fills them), before the views are listed."""
+        self._check_meta(meta)
+        self._strict = strict
+        saved = meta["state"]
+        known = {n for members in meta["group_params"] for n in members}
+        for name in saved:
+            if name not in self._by_name and strict:
+                raise CheckpointError(
+                    f"the checkpoint has optimizer state for {name!r}, which is not a "
+                    "trainable parameter of this model (strict=False skips it)"
+                )
+        for sp in self.trainable:
+            entry = saved.get(sp.name)
+            opt = self._inner_of(sp)
+            if entry is None:
+                if sp.name in known:
+                    opt.state.pop(sp.master, None)  # not stepped yet when it was saved
+                continue  # else unknown to the checkpoint: the reader reports it missing
+            keys = entry.get("tensors")
+            if not isinstance(keys, list) or not all(
+                isinstance(k, str) and _STATE_KEY.match(k) for k in keys
+            ):
+                raise CheckpointError(f"optimizer state keys of {sp.name} are malformed: {keys!r}")
+            state = {k: v for k, v in opt.state.get(sp.master, {}).items() if k in keys}
+            for key in keys:
+                if not (isinstance(state.get(key), torch.Tensor)
+                        and state[key].shape == sp.master.shape):  # fmt: skip
+                    state[key] = _zeros(sp.master)
+            opt.state[sp.master] = state
+
+    def finish_load(self, meta: dict, step: int) -> None:
+        """Restore group hyperparameters and scalar state after the tensors were read."""
+        groups = self.optimizer.param_groups
+        names = [[sp.name for sp in m] for m in self.group_members]
+        if meta["group_params"] != names:
+            if self._strict:
+                raise CheckpointError(
+                    "the checkpoint's optimizer param groups hold other parameters than this "
+                    "engine's; build the optimizer with the same groups (same parameters, in "
+                    "the same order) as the run that saved it"
+                )
+            if len(meta["param_groups"]) != len(groups):
+                groups = []  # strict=False: keep this engine's group settings
+        for g, enc in zip(groups, meta["param_groups"], strict=False):
+            hyper = jsonstate.decode(enc, "param group")
+            if not isinstance(hyper, dict):
+                raise CheckpointError("a saved param group is not a dict")
+            hyper.pop("params", None)
+            g.update(hyper)
+        for name, entry in meta["state"].items():
+            sp = self._by_name.get(name)
+            if sp is None:
+                continue
+            scalars = entry.get("scalars", {})
+            if not isinstance(scalars, dict):
+                raise CheckpointError(f"optimizer scalar state of {name} is malformed")
+            state = self._inner_of(sp).state[sp.master]
+            for key, enc in scalars.items():
+                if not (isinstance(key, str) and _STATE_KEY.match(key)):
+                    raise CheckpointError(f"optimizer state key {key!r} of {name} is malformed")
+                state[key] = jsonstate.decode(enc, f"optimizer state {key} of {name}")
+        self.step_count = step
+
+    def _inner_of(self, sp: ShardedParam) -> Optimizer:
+        for opt in self.inner:
+            for g in opt.param_groups:
+                if any(p is sp.master for p in g["params"]):
+                    return opt
+        raise AssertionError(f"{sp.name} is in no inner optimizer")
+
+    def _check_meta(self, meta: Any) -> None:
+        version = meta.get("version") if isinstance(meta, dict) else None
+        if version != OPTIMIZER_STATE_VERSION:
+            raise CheckpointError(
+                f"optimizer state version {version!r} is not {OPTIMIZER_STATE_VERSION}; it "
+                "was written by an incompatible zerostate (or the metadata is missing)"
+            )
+        mine = [type(opt).__name__ for opt in self.inner]
+        if meta.get("classes") != mine:
+            raise CheckpointError(
+                f"the checkpoint was trained with optimizer(s) {meta.get('classes')} but this "
+                f"engine runs {mine}; build the engine with the same optimizer classes"
+            )
+        groups = meta.get("group_params")
+        if (
+            not isinstance(groups, list)
+            or not all(isinstance(m, list) and all(isinstance(n, str) for n in m) for m in groups)
+            or not isinstance(meta.get("param_groups"), list)
+            or len(meta["param_groups"]) != len(groups)
+            or not isinstance(meta.get("state"), dict)
+        ):
+            raise CheckpointError("optimizer metadata is malformed")
+
+
+def legacy_adamw_metadata(names: list[list[str]], step: int, groups: list[dict]) -> dict:
+    """Metadata equivalent to a checkpoint of the engine's built-in AdamW written before
+    optimizer metadata existed (every trainable parameter has exp_avg and exp_avg_sq)."""
+    step_enc = jsonstate.encode(torch.tensor(float(step), dtype=_scalar_dtype()))
+    return {
+        "version": OPTIMIZER_STATE_VERSION,
+        "classes": ["AdamW"],
+        "group_params": names,
+        "param_groups": [
+            jsonstate.encode({k: v for k, v in g.items() if k != "params"}) for g in groups
+        ],
+        "state": {
+            n: {"tensors": ["exp_avg", "exp_avg_sq"], "scalars": {"step": step_enc}}
+            for members in names
+            for n in members
+        },
+    }
+
+
+def _constructor_defaults(opt: Optimizer) -> dict:
+    """Keyword arguments that rebuild ``opt``'s class with its defaults; the groups carry
+    every per-group value anyway, so only keys the constructor accepts are passed."""
+    accepted = inspect.signature(type(opt).__init__).parameters
+    return {k: v for k, v in opt.defaults.items() if k in accepted and k != "params"}
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:

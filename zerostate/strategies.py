@@ -8,7 +8,8 @@ the same hooks in the same order whatever the stage:
 * per micro-step: ``prepare(boundary=...)``, then ``on_grad_ready(sp)`` from each
   parameter's post-accumulate-grad hook while backward runs, then ``finish_backward()``;
 * at the step: ``step_grads()`` (gradient of every trainable parameter as this rank holds
-  it), ``reduce_squares()`` (make a local sum of squares global), ``refresh(params)``
+  it), ``reduce_norm_and_flags()`` (make the local sum of squares and per-parameter
+  gradient flags global), ``refresh(params)``
   (working parameters from the updated masters), ``zero()``.
 
 Stage 0 and stage 1 accumulate full gradients locally between communicating micro-steps
@@ -85,9 +86,10 @@ class Strategy(abc.ABC):
         """Summed (unscaled) gradient of every trainable parameter as this rank holds it,
         aligned with ``master``."""
 
-    def reduce_squares(self, squares: torch.Tensor) -> None:
-        """Turn this rank's sum of squared gradient elements into the global one."""
-        collectives.all_reduce(squares, group=self.ctx.group, stats=self.ctx.stats)
+    def reduce_norm_and_flags(self, folded: torch.Tensor) -> None:
+        """``folded`` is ``[this rank's sum of squared gradient elements, one flag per
+        trainable parameter]``; sum both over the ranks, in place, in one all-reduce."""
+        collectives.all_reduce(folded, group=self.ctx.group, stats=self.ctx.stats)
 
     @abc.abstractmethod
     def refresh(self, params: list[ShardedParam] | None = None) -> None:
@@ -238,8 +240,12 @@ class ReplicatedStrategy(_BucketStrategy):
         }
         return [views[id(sp)] for sp in self.trainable]
 
-    def reduce_squares(self, squares: torch.Tensor) -> None:
-        pass  # the gradients are already the full, identical sum on every rank
+    def reduce_norm_and_flags(self, folded: torch.Tensor) -> None:
+        # The gradients are already the full, identical sum on every rank: one copy of the
+        # squares counts; the flags still need every rank's (a rank may see no gradient).
+        if self.ctx.rank != 0:
+            folded[:1].zero_()
+        super().reduce_norm_and_flags(folded)
 
     def refresh(self, params: list[ShardedParam] | None = None) -> None:
         targets = self.trainable if params is None else params

@@ -1,0 +1,151 @@
+"""Lossless JSON encoding of ``state_dict()`` values (schedulers, samplers, group settings).
+
+Checkpoints never hold pickles, so objects' states are stored as JSON. Plain JSON loses
+three things a ``state_dict`` commonly holds; each is written as a one-key marker object:
+
+- tensors: ``{"__zs_tensor__": {"dtype": "float32", "shape": [2, 3], "data": base64}}``
+  (little-endian bytes of the contiguous CPU tensor);
+- tuples: ``{"__zs_tuple__": [...]}`` (torch's schedulers and optimizers compare
+  ``betas`` and friends as tuples);
+- dicts with keys that are not strings, or that clash with a marker:
+  ``{"__zs_items__": [[key, value], ...]}``.
+
+Decoding validates every marker (known dtype, non-negative shape, byte count matching
+the shape) and raises :class:`~zerostate.errors.CorruptCheckpointError` otherwise, so a
+damaged or hostile checkpoint cannot produce arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+from typing import Any
+
+import torch
+
+from zerostate.errors import ConfigError, CorruptCheckpointError
+
+_TENSOR = "__zs_tensor__"
+_TUPLE = "__zs_tuple__"
+_ITEMS = "__zs_items__"
+_MARKERS = (_TENSOR, _TUPLE, _ITEMS)
+
+#: dtypes a tensor in a state may have; anything else is refused on encode and decode.
+DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+        torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}  # fmt: skip
+
+
+def encode(value: Any, what: str = "state") -> Any:
+    """A JSON-able form of ``value``; raises ConfigError naming the path of anything else."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value  # NaN and inf survive json.dumps/loads in Python
+    if isinstance(value, torch.Tensor):
+        return {_TENSOR: _encode_tensor(value, what)}
+    if isinstance(value, tuple):
+        return {_TUPLE: [encode(v, f"{what}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, f"{what}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        plain = all(isinstance(k, str) for k in value) and not any(m in value for m in _MARKERS)
+        if plain:
+            return {k: encode(v, f"{what}[{k!r}]") for k, v in value.items()}
+        for k in value:
+            if not (k is None or isinstance(k, (bool, int, float, str, tuple))):
+                raise ConfigError(
+                    f"{what} has a dict key {k!r} of type {type(k).__name__}; keys must be "
+                    "str, int, float, bool, None or tuples of them"
+                )
+        return {_ITEMS: [[encode(k, what), encode(v, f"{what}[{k!r}]")] for k, v in value.items()]}
+    raise ConfigError(
+        f"{what} holds a {type(value).__name__}, which a checkpoint cannot store without "
+        "pickle; state_dict() values must be None, bool, int, float, str, tensors, or "
+        "lists / tuples / dicts of them"
+    )
+
+
+def _encode_tensor(t: torch.Tensor, what: str) -> dict:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ConfigError(f"{what} is a tensor of dtype {t.dtype}; supported: {sorted(DTYPES)}")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    # States are small (a sampler's position, an RNG key), so a list round trip is fine
+    # and needs no numpy.
+    raw = bytes(flat.view(torch.uint8).tolist()) if flat.numel() else b""
+    if sys.byteorder != "little" and t.element_size() > 1:
+        raise ConfigError("saving tensors in states needs a little-endian host")
+    return {
+        "dtype": name,
+        "shape": list(t.shape),
+        "data": base64.b64encode(raw).decode("ascii"),
+    }
+
+
+def decode(value: Any, what: str = "state") -> Any:
+    """Inverse of :func:`encode`, validating every marker it meets."""
+    if isinstance(value, list):
+        return [decode(v, what) for v in value]
+    if not isinstance(value, dict):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise CorruptCheckpointError(f"{what}: unexpected {type(value).__name__} in stored state")
+    if len(value) == 1:
+        ((key, body),) = value.items()
+        if key == _TENSOR:
+            return _decode_tensor(body, what)
+        if key == _TUPLE:
+            if not isinstance(body, list):
+                raise CorruptCheckpointError(f"{what}: malformed tuple in stored state")
+            return tuple(decode(v, what) for v in body)
+        if key == _ITEMS:
+            if not isinstance(body, list) or not all(
+                isinstance(p, list) and len(p) == 2 for p in body
+            ):
+                raise CorruptCheckpointError(f"{what}: malformed dict items in stored state")
+            return {_hashable(decode(k, what), what): decode(v, what) for k, v in body}
+    return {k: decode(v, f"{what}[{k!r}]") for k, v in value.items()}
+
+
+def _hashable(key: Any, what: str) -> Any:
+    try:
+        hash(key)
+    except TypeError:
+        raise CorruptCheckpointError(f"{what}: unhashable dict key in stored state") from None
+    return key
+
+
+def _decode_tensor(body: Any, what: str) -> torch.Tensor:
+    if not isinstance(body, dict) or set(body) != {"dtype", "shape", "data"}:
+        raise CorruptCheckpointError(f"{what}: malformed tensor in stored state")
+    dtype = DTYPES.get(body["dtype"]) if isinstance(body["dtype"], str) else None
+    shape = body["shape"]
+    if dtype is None:
+        raise CorruptCheckpointError(f"{what}: tensor dtype {body['dtype']!r} is not supported")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise CorruptCheckpointError(f"{what}: tensor shape {shape!r} is invalid")
+    if not isinstance(body["data"], str):
+        raise CorruptCheckpointError(f"{what}: tensor data is not base64 text")
+    try:
+        raw = base64.b64decode(body["data"], validate=True)
+    except ValueError:
+        raise CorruptCheckpointError(f"{what}: tensor data is not valid base64") from None
+    numel = math.prod(shape)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if len(raw) != numel * itemsize:
+        raise CorruptCheckpointError(
+            f"{what}: tensor of shape {shape} and dtype {body['dtype']} needs "
+            f"{numel * itemsize} bytes, the stored state has {len(raw)}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape).clone()
