@@ -35,7 +35,6 @@ from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig
 from zerostate.errors import ConfigError, ZerostateError
-from zerostate.muon import gather_full
 from zerostate.optim import ShardedOptimizer, describe, resolve_user_optimizers, sum_of_squares
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
@@ -249,18 +248,6 @@ class Engine:
     def _build_optimizer(self) -> ShardedOptimizer:
         c = self.config
 
-        def gather(sps: list[ShardedParam], shards: list[torch.Tensor]) -> list[torch.Tensor]:
-            if self.stage == 0:  # masters are whole tensors already
-                return [t.reshape(-1) for t in shards]
-            return gather_full(
-                sps,
-                shards,
-                rank=self.rank,
-                world_size=self.world_size,
-                group=self.group,
-                stats=self._stats,
-            )
-
         # Which parameters received a gradient in this accumulation window, on this rank;
         # step() ORs it across ranks (see [Note: uniform stepping] in zerostate.optim).
         self._got_grad = [False] * len(self._trainable)
@@ -270,7 +257,7 @@ class Engine:
             self._trainable,
             self._resolved,
             adamw=dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
-            gather=gather,
+            gather=self._strategy.gather_full,
         )
         self._resolved = None  # holds the user's optimizer; not needed any more
         return optimizer

@@ -86,39 +86,3 @@ class PartitionedMuon(Optimizer):
 def _local_start(sp: ShardedParam, shard: torch.Tensor) -> int:
     # The master covers the whole tensor at stage 0 and the owned range otherwise.
     return 0 if shard.numel() == sp.numel else sp.start
-
-
-def gather_full(
-    sps: list[ShardedParam],
-    shards: list[torch.Tensor],
-    *,
-    rank: int,
-    world_size: int,
-    group: object,
-    stats: object,
-) -> list[torch.Tensor]:
-    """Full flat fp32 tensors of ``sps`` from every rank's owned shard (one all-gather).
-
-    Segment ``r`` of the gathered buffer is the concatenation of rank ``r``'s owned slices
-    of ``sps``, padded to the longest segment, so the collective carries equal segments.
-    """
-    from zerostate import collectives
-
-    sizes = [[sp.layout.owned_numel(r) for sp in sps] for r in range(world_size)]
-    seg = max(1, max(sum(s) for s in sizes))
-    device = shards[0].device
-    mine = torch.zeros(seg, dtype=torch.float32, device=device)
-    offset = 0
-    for shard, n in zip(shards, sizes[rank], strict=True):
-        mine[offset : offset + n] = shard.reshape(-1)
-        offset += n
-    buffer = torch.empty(seg * world_size, dtype=torch.float32, device=device)
-    collectives.all_gather(buffer, mine, group=group, stats=stats)
-    fulls = [torch.empty(sp.numel, dtype=torch.float32, device=device) for sp in sps]
-    for r in range(world_size):
-        offset = r * seg
-        for sp, full, n in zip(sps, fulls, sizes[r], strict=True):
-            lo, hi = sp.layout.owned_range(r)
-            full[lo:hi] = buffer[offset : offset + n]
-            offset += n
-    return fulls

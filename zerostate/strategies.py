@@ -105,6 +105,13 @@ class Strategy(abc.ABC):
     def full_masters(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         """Full flat fp32 values of ``params`` (collective)."""
 
+    def gather_full(
+        self, params: list[ShardedParam], shards: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Full flat fp32 tensors from every rank's slice ``shards[i]`` of ``params[i]``,
+        aligned like the masters (collective; counted as step traffic)."""
+        return gather_full_values(self.ctx, params, shards, self.bucket_numel, counted=True)
+
     @abc.abstractmethod
     def bytes_held(self) -> dict[str, int]:
         """Bytes of working parameters, gradients and in-flight buffers this rank holds."""
@@ -260,6 +267,11 @@ class ReplicatedStrategy(_BucketStrategy):
     def full_masters(self, params: list[ShardedParam]) -> list[torch.Tensor]:
         return [sp.master.clone() for sp in params]
 
+    def gather_full(
+        self, params: list[ShardedParam], shards: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        return [t.reshape(-1) for t in shards]  # masters (and so the shards) are whole here
+
 
 class PartitionedStrategy(_BucketStrategy):
     """Stages 1 and 2: optimizer states (1) and gradients (2) partitioned.
@@ -343,16 +355,29 @@ def gather_full_masters(
     ctx: CommContext, params: list[ShardedParam], bucket_numel: int
 ) -> list[torch.Tensor]:
     """Full fp32 flat values of ``params`` from every rank's owned master slices."""
+    return gather_full_values(ctx, params, [sp.master for sp in params], bucket_numel)
+
+
+def gather_full_values(
+    ctx: CommContext,
+    params: list[ShardedParam],
+    shards: list[torch.Tensor],
+    bucket_numel: int,
+    *,
+    counted: bool = False,
+) -> list[torch.Tensor]:
+    """Full fp32 flat tensors from every rank's owned slice ``shards[i]`` of ``params[i]``
+    (masters for export, an optimizer's update matrices for Muon)."""
     full = [torch.empty(sp.numel, dtype=torch.float32, device=ctx.device) for sp in params]
     index = {id(sp): i for i, sp in enumerate(params)}
     groups = split_into_buckets(params, bucket_numel)
     all_gather_groups(
         ctx,
         [FlatLayout(g, ctx.world_size, ctx.rank) for g in groups],
-        [[p.master for p in g] for g in groups],
+        [[shards[index[id(p)]].reshape(-1) for p in g] for g in groups],
         [[full[index[id(p)]] for p in g] for g in groups],
         dtype=torch.float32,
-        counted=False,
+        counted=counted,
     )
     return full
 
