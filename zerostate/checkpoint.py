@@ -568,12 +568,31 @@ class Checkpointer:
                     f"{view.name}: checkpoint shape {tuple(info.shape)} != model shape "
                     f"{tuple(view.shape)}"
                 )
-        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="zs-load") as pool:
-            futures = [
-                pool.submit(self._load_view, st, view) for view in views if view.name in st.tensors
-            ]
-            for fut in futures:
-                fut.result()
+        # One batched read: every piece of storage this rank needs is fetched once, adjacent
+        # pieces together, and lands in the engine's own memory where it can.
+        requests, targets = [], []
+        for view in views:
+            info, local = st.tensors.get(view.name), view.local
+            if info is None or local.numel() == 0:
+                continue
+            direct = (
+                local.device.type == "cpu" and local.is_contiguous() and local.dtype == info.dtype
+            )
+            out = local.detach().view(-1) if direct else None
+            stop = view.local_start + local.numel()
+            requests.append((view.name, view.local_start, stop, out))
+            targets.append(None if direct else local)
+        if hasattr(st, "read_many"):
+            results = st.read_many(requests)
+        else:  # format 1: tensor by tensor
+            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="zs-load") as pool:
+                results = list(
+                    pool.map(lambda r: st.read_range(r[0], r[1], r[2], out=r[3]), requests)
+                )
+        with torch.no_grad():
+            for local, data in zip(targets, results, strict=True):
+                if local is not None:
+                    local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
         return st
 
     def _saved_rank_state(
@@ -623,25 +642,6 @@ class Checkpointer:
         if mine is not None and "rng" in mine:
             rng = jsonstate.decode(mine["rng"], f"RNG state of rank {self.rank}")
         return rng, objects
-
-    @staticmethod
-    def _load_view(st: Any, view: Any) -> None:
-        numel = view.local.numel()
-        if numel == 0:
-            return
-        start, stop = view.local_start, view.local_start + numel
-        local = view.local
-        if (
-            local.device.type == "cpu"
-            and local.is_contiguous()
-            and local.dtype == st.tensors[view.name].dtype
-        ):
-            # Straight into the engine's own memory: no temporary, no second copy.
-            st.read_range(view.name, start, stop, out=local.detach().view(-1))
-            return
-        data = st.read_range(view.name, start, stop)
-        with torch.no_grad():
-            local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
 
     def _restore_rng(self, st: Any, rng: dict | None) -> None:
         if st.world_size != self.world_size:
