@@ -39,7 +39,7 @@ def _ratio(label: str, num: dict, den: dict, key: str, target: float | None,
 
 
 def _settings(opts: Any) -> dict:
-    preset = "tiny" if opts.quick else "io"
+    preset = getattr(opts, "io_model", None) or ("tiny" if opts.quick else "io")
     return {"model": preset, "micro_batch": 2, "seq_len": 32 if opts.quick else 64,
             "threads": 1}
 

@@ -37,6 +37,8 @@ MODELS: dict[str, dict[str, int]] = {
     "small": dict(vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=4),
     # ~26M parameters (~315 MB of fp32 weights + Adam moments): checkpoint I/O.
     "io": dict(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8),
+    # ~200M parameters: one GPU (benchmarks/gpu.sh).
+    "gpu": dict(vocab_size=32768, n_positions=1024, n_embd=1024, n_layer=12, n_head=16),
 }
 
 

@@ -64,8 +64,8 @@ def batches(preset: str, rank: int, micro_batch: int, seq_len: int, pool: int,
     return torch.randint(0, MODELS[preset]["vocab_size"], shape, generator=g).to(device)
 
 
-def adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+def adamw(params: Any, eps: float = 1e-8) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, eps=eps)
 
 
 def torch_trainer(module: torch.nn.Module, model: torch.nn.Module, opt: Any,
@@ -144,12 +144,13 @@ def make_deepspeed(model: torch.nn.Module, stage: int, ctx: Ctx, *, micro_batch:
     return Trainer(step, engine, model, opt)
 
 
-def make_zerostate(model: torch.nn.Module, stage: int, *, precision: str = "fp32") -> Trainer:
+def make_zerostate(model: torch.nn.Module, stage: int, *, precision: str = "fp32",
+                   eps: float = 1e-8) -> Trainer:
     import zerostate
 
     # The peers decay every parameter; zerostate's default exempts 1-D ones. Same step here.
     engine = zerostate.Engine(model, stage=stage, lr=LR, weight_decay=WEIGHT_DECAY,
-                              precision=precision, no_decay=lambda name, p: False)
+                              precision=precision, eps=eps, no_decay=lambda name, p: False)
 
     def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = engine(idx, targets)

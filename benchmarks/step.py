@@ -51,8 +51,8 @@ def train(params: dict, ctx: Ctx) -> dict:
 
 def run(opts: Any) -> dict:
     """Launcher: every selected contender, then per stage zerostate / fastest peer."""
-    preset = "tiny" if opts.quick else "small"
-    micro_batch, seq_len = (4, 32) if opts.quick else (8, 64)
+    preset = getattr(opts, "model", None) or ("tiny" if opts.quick else "small")
+    micro_batch, seq_len = getattr(opts, "batch", None) or ((4, 32) if opts.quick else (8, 64))
     steps, warmup = (2, 1) if opts.quick else (opts.steps, 3)
     names = [n for n in CONTENDERS if not opts.contenders or n in opts.contenders]
     precision = getattr(opts, "precision", "fp32")

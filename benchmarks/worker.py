@@ -19,6 +19,7 @@ TASKS = {
     "save": "benchmarks.ckpt:save",
     "load": "benchmarks.ckpt:load",
     "s3": "benchmarks.s3:transfer",
+    "parity": "benchmarks.gpu:parity",
 }
 
 
@@ -55,7 +56,9 @@ def _run(task: str, params: dict) -> dict:
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available() and not os.environ.get("ZS_BENCH_CPU")
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    # Several ranks may share one GPU (benchmarks/gpu.sh on a one-GPU machine).
+    device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda
+              else torch.device("cpu"))
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
