@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed training steps (default 10)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    p.add_argument("--update-readme", action="store_true",
+                   help="also rewrite the benchmark table in README.md")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every job's output")
     args = p.parse_args(argv)
     rows = [r.strip() for r in (args.only or ",".join(ROWS)).split(",") if r.strip()]
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
             failed.append({"key": row, "error": f"{type(exc).__name__}: {exc}"})
     report = {
-        "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m benchmarks",
+                             *(argv if argv is not None else sys.argv[1:])]),
         "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s": time.perf_counter() - t0,
         "environment": {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         "failed_sections": failed,
     }
     rep.write(report, args.out)
+    if args.update_readme and not rep.update_readme(report, REPO / "README.md"):
+        print("README.md has no benchmark markers; not updated", file=sys.stderr)
     print(rep.markdown(report))
     issues = rep.problems(report)
     for line in issues:

@@ -263,7 +263,7 @@ def _check_same_weights(rows: list[dict], out: Path) -> None:
         if missing:
             row["ok"], row["error"] = False, f"output lacks {missing[:3]}"
             continue
-        worst = max(float((got[k].float() - ref[k].float()).abs().max()) for k in ref)
+        worst = max(float((got[k].detach().float() - ref[k].float()).abs().max()) for k in ref)
         row["values"]["max_abs_diff_vs_zerostate"] = worst
         if worst > 2.5e-3:  # two Adam steps of lr: sign flips of rounding-noise gradients
             row["ok"], row["error"] = False, f"weights differ from zerostate's by {worst}"

@@ -143,3 +143,34 @@ def write(report: dict, out_dir: Path) -> None:
     md = markdown(report)
     md += "\n" + "\n".join(f"![{p}]({p})" for p in report["plots"]) + "\n"
     (out_dir / "latest.md").write_text(md)
+
+
+README_START = "<!-- benchmarks:start (python -m benchmarks --update-readme rewrites this) -->"
+README_END = "<!-- benchmarks:end -->"
+
+
+def ratio_table(report: dict) -> str:
+    """Every ratio of the run in one table (what the README embeds)."""
+    lines = ["| row | ratio (same run) | value | target |", "|---|---|---:|---|"]
+    for sec in report["sections"]:
+        for r in sec["ratios"]:
+            lines.append(f"| {sec['key']} | {r['label']} | {r['value']:.2f} | {_verdict(r)} |")
+    for sec in report["sections"]:
+        for note in sec.get("notes", []):
+            lines += ["", f"Note ({sec['key']}): {note}"]
+    return "\n".join(lines)
+
+
+def update_readme(report: dict, readme: Path) -> bool:
+    """Replace the block between the markers; False when the README has no markers."""
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        return False
+    head, rest = text.split(README_START, 1)
+    _, tail = rest.split(README_END, 1)
+    block = (f"{README_START}\nFrom `{report['command']}` on {report['finished_utc']} "
+             f"({report['environment']['machine']}); full tables, sizes and plots in "
+             f"[docs/benchmarks/latest.md](docs/benchmarks/latest.md).\n\n"
+             f"{ratio_table(report)}\n{README_END}")
+    readme.write_text(head + block + tail)
+    return True

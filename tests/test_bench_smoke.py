@@ -87,6 +87,8 @@ def test_contenders_train_alike(quick_run):
     """Same model, data and optimizer: all start from one loss and all of them learn."""
     _, report, _ = quick_run
     step = next(s for s in report["sections"] if s["key"] == "step")
+    untrained = [r["contender"] for r in step["rows"] if "loss_first" not in r["values"]]
+    assert not untrained, f"no losses from {untrained}"
     firsts = [r["values"]["loss_first"] for r in step["rows"]]
     assert max(firsts) - min(firsts) < 1e-4, firsts
     for r in step["rows"]:
