@@ -29,7 +29,10 @@ ALIASES = {"async": "save", "load": "save", "consolidate": "save"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="zerostate vs DDP, ZeroRedundancyOptimizer, DeepSpeed, FSDP2 and "
+                    "torch.distributed.checkpoint, every row in one run")
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds per contender")
     p.add_argument("--only", help="comma-separated rows: step,save,load,async,consolidate,s3 "
                                   "(save, async, load and consolidate run together)")
@@ -54,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rows = [r for r in ROWS if r in {ALIASES.get(x, x) for x in rows}]
     args.contenders = ([c.strip() for c in args.contenders.split(",")]
                        if args.contenders else None)
+    from benchmarks.contenders import CONTENDERS
+
+    unknown = [c for c in args.contenders or [] if c not in CONTENDERS]
+    if unknown:
+        p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     if args.nproc < 1 or args.load_nproc < 1 or args.steps < 1:
         p.error("--nproc, --load-nproc and --steps must be >= 1")
     return args

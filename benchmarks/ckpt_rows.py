@@ -222,16 +222,36 @@ def _consolidate_section(opts: Any, saves: dict, base: Path, size: str) -> dict:
             rows.append(_row(label, False, str(exc)))
     _check_same_weights(rows, out)
     zs = rows[0]
+    bound = None
+    if zs["ok"]:
+        from safetensors import safe_open
+
+        with safe_open(str(out / "zs.safetensors"), "pt") as h:
+            largest = max(_numel(h.get_slice(k).get_shape()) for k in h.keys()) * 4  # fp32
+        # BRIEF: peak memory bounded by a small multiple of the largest tensor (streaming);
+        # 300 MB covers the interpreter with torch imported.
+        zs["values"]["largest_tensor_mb"] = largest / MIB
+        bound = {"label": "consolidate peak RSS, zerostate / (3 x largest tensor + 300 MB)",
+                 "value": zs["values"]["peak_rss_mb"] / (3 * largest / MIB + 300),
+                 "target": 1.0, "better": "lower"}
     ratios = [r for r in (
         _ratio("consolidate time, zerostate / zero_to_fp32", zs, rows[1], "seconds", 1.0),
         _ratio("consolidate peak RSS, zerostate / zero_to_fp32", zs, rows[1], "peak_rss_mb",
                None),
         _ratio("consolidate time, zerostate / DCP", zs, rows[2], "seconds", None),
         _ratio("consolidate peak RSS, zerostate / DCP", zs, rows[2], "peak_rss_mb", None),
+        bound,
     ) if r]
     return {"key": "consolidate", "title": "Consolidation to safetensors",
             "setup": f"{size}; one process, page cache dropped first; peak RSS of the "
                      "tool's largest process", "rows": rows, "ratios": ratios}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _check_same_weights(rows: list[dict], out: Path) -> None:

@@ -103,6 +103,9 @@ def _communicate(cmd: list[str], env: dict, timeout: float) -> tuple[int | None,
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         out, _ = proc.communicate()
         return None, out
+    except BaseException:  # interrupted (gpu.sh's time limit, Ctrl-C): leave no ranks behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
 
 
 def torchrun(name: str, task: str, params: dict, *, nproc: int, timeout: float = 600.0,

@@ -64,7 +64,7 @@ def parity(params: dict, ctx: Ctx) -> dict:
 def _opts(**kw: Any) -> argparse.Namespace:
     base = dict(quick=False, nproc=1, load_nproc=1, steps=10, precision="fp32", timeout=300.0,
                 verbose=False, contenders=None, dir=None, model=None, io_model=None,
-                batch=None)
+                batch=None, quick_jobs=False)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -79,19 +79,16 @@ def _env() -> dict:
     return out
 
 
-def _part_parity(nprocs: list[int]) -> dict:
-    from benchmarks.common import torchrun
+def _part_parity(nproc: int) -> dict:
+    """Stages 0-3 in one torchrun job (one start-up) at ``nproc`` processes."""
+    from benchmarks.common import launch
 
-    out: dict[str, Any] = {}
-    for n in nprocs:
-        for stage in range(4):
-            params = {"model": "small", "micro_batch": 4, "seq_len": 64, "stage": stage}
-            job = torchrun(f"parity{stage}", "parity", params, nproc=n, timeout=120)
-            key = f"stage{stage}_nproc{n}"
-            out[key] = job.ranks[0] if job.ok else {"ok": False, "error": job.error}
-            print(f"  parity {key}: {out[key]}", flush=True)
-            if not job.ok and n > 1:
-                break  # several processes on one device refused: the others will be too
+    jobs = [(f"stage{s}", "parity", {"model": "small", "micro_batch": 4, "seq_len": 64,
+                                     "stage": s}) for s in range(4)]
+    done = launch(jobs, nproc=nproc, batch=True, timeout=150)
+    out = {name: (job.ranks[0] if job.ok else {"ok": False, "error": job.error})
+           for name, job in done.items()}
+    print(f"  parity nproc={nproc}: {out}", flush=True)
     return out
 
 
@@ -114,19 +111,24 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
 
     part("environment", _env)
-    part("parity", lambda: _part_parity(sorted({1, args.nproc})))
+    part("parity_nproc1", lambda: _part_parity(1))
+    shared = 1
+    if args.nproc > 1:
+        part(f"parity_nproc{args.nproc}", lambda: _part_parity(args.nproc))
+        run = results["parts"][f"parity_nproc{args.nproc}"]
+        if run["ok"] and all(r.get("ok") for r in run["result"].values()):
+            shared = args.nproc  # NCCL accepted several ranks on one device
+    results["ranks_per_device_used"] = shared
 
     from benchmarks import ckpt_rows, step
 
-    for n in sorted({1, args.nproc}, reverse=True):
-        part(f"step_bf16_nproc{n}", lambda n=n: step.run(_opts(
-            nproc=n, precision="bf16", model="gpu", batch=(8, 512), steps=10,
-            contenders=["ddp", "ds1", "ds2", "fsdp2_noreshard", "ds3", "fsdp2",
-                        "zs0", "zs1", "zs2", "zs3"])))
-        if results["parts"][f"step_bf16_nproc{n}"]["ok"]:
-            break  # one process count that works is enough within the time budget
-    part("save_async", lambda: ckpt_rows.run(_opts(nproc=args.nproc, load_nproc=1,
-                                                   io_model="gpu")))
+    # The async path (pinned host buffers, side stream) first: it exists only on a GPU.
+    part("save_async_load_consolidate", lambda: ckpt_rows.run(_opts(
+        nproc=shared, load_nproc=1, io_model="gpu", timeout=150)))
+    part("step_bf16", lambda: step.run(_opts(
+        nproc=shared, precision="bf16", model="gpu", batch=(8, 512), steps=10, quick_jobs=True,
+        contenders=["ddp", "ds1", "ds2", "fsdp2_noreshard", "ds3", "fsdp2",
+                    "zs0", "zs1", "zs2", "zs3"])))
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
     bad = [k for k, v in results["parts"].items() if not v["ok"]]

@@ -59,7 +59,8 @@ def run(opts: Any) -> dict:
     params = {"model": preset, "micro_batch": micro_batch, "seq_len": seq_len,
               "steps": steps, "warmup": warmup, "precision": precision}
     jobs = launch([(n, "train", {**params, "contender": n}) for n in names],
-                  nproc=opts.nproc, batch=opts.quick, timeout=opts.timeout,
+                  nproc=opts.nproc, batch=opts.quick or getattr(opts, "quick_jobs", False),
+                  timeout=opts.timeout,
                   verbose=opts.verbose)
     rows = []
     for name in names:
@@ -114,7 +115,8 @@ def run(opts: Any) -> dict:
              f"weight decay 0.01 on every parameter; median of {steps} steps after {warmup} "
              f"warm-up, slowest rank per step"
              + ("; all contenders in one process group (--quick), so peak RSS accumulates"
-                if opts.quick else "; one torchrun job per contender"))
+                if opts.quick or getattr(opts, "quick_jobs", False)
+                else "; one torchrun job per contender"))
     return {"key": "step", "title": "Training step time and peak memory per stage",
             "setup": setup, "columns": {"step_ms": "step ms", "peak_rss_mb": "peak RSS MB/rank",
                                         "model_states_mb": "model states MB/rank",

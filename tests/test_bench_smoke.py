@@ -16,7 +16,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.slow, pytest.mark.s3, pytest.mark.timeout(1500)]
+
+
+def uses_quick_run(test):
+    """Marks of the tests that read the quick run: every row (SeaweedFS included) at tiny
+    sizes, a few minutes on 2 cores."""
+    for mark in (pytest.mark.slow, pytest.mark.s3, pytest.mark.timeout(1500)):
+        test = mark(test)
+    return test
 
 STEP_CONTENDERS = {"ddp", "zero1opt", "ds1", "ds2", "fsdp2_noreshard", "ds3", "fsdp2",
                    "zs0", "zs1", "zs2", "zs3"}
@@ -47,6 +54,7 @@ def _finite(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+@uses_quick_run
 def test_every_contender_ran(quick_run):
     proc, report, _ = quick_run
     failed = [f"{s['key']}/{r['contender']}: {r['error']}"
@@ -60,6 +68,7 @@ def test_every_contender_ran(quick_run):
     assert {r["contender"] for r in step["rows"]} == STEP_CONTENDERS
 
 
+@uses_quick_run
 def test_every_number_present_and_finite(quick_run):
     _, report, _ = quick_run
     expected = {
@@ -83,6 +92,7 @@ def test_every_number_present_and_finite(quick_run):
             assert _finite(r["value"]), r
 
 
+@uses_quick_run
 def test_contenders_train_alike(quick_run):
     """Same model, data and optimizer: all start from one loss and all of them learn."""
     _, report, _ = quick_run
@@ -95,6 +105,7 @@ def test_contenders_train_alike(quick_run):
         assert r["values"]["loss_last"] < r["values"]["loss_first"], r["contender"]
 
 
+@uses_quick_run
 def test_report_files(quick_run):
     _, report, out = quick_run
     md = (out / "latest.md").read_text()
@@ -104,3 +115,22 @@ def test_report_files(quick_run):
     assert pngs == sorted(report["plots"]) and len(pngs) == len(report["sections"])
     for p in pngs:
         assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _report(value: float, ok: bool = True) -> dict:
+    row = {"contender": "c", "ok": ok, "error": None if ok else "boom", "values": {"s": value}}
+    return {"sections": [{"key": "save", "rows": [row],
+                          "ratios": [{"label": "r", "value": value, "target": None}]}],
+            "failed_sections": []}
+
+
+def test_problems_catch_failed_and_non_finite():
+    from benchmarks.report import problems
+
+    assert problems(_report(1.5)) == []
+    assert problems(_report(float("nan"))) == ["save/c/s = nan", "save/ratio/r = nan"]
+    assert problems(_report(float("inf"), ok=False))[0] == "save/c: boom"
+    missing = _report(1.0)
+    missing["sections"][0]["rows"][0]["values"] = {}
+    missing["sections"][0]["ratios"] = []
+    assert problems(missing) == ["save/c: no numbers"]
