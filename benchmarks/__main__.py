@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-nproc", type=int, default=3,
                    help="ranks that load the checkpoints the --nproc ranks wrote (default 3)")
     p.add_argument("--steps", type=int, default=10, help="timed training steps (default 10)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="step row: run every contender this many times, alternating the "
+                        "order, and keep each one's best round (default 2)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--update-readme", action="store_true",
@@ -62,8 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [c for c in args.contenders or [] if c not in CONTENDERS]
     if unknown:
         p.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
-    if args.nproc < 1 or args.load_nproc < 1 or args.steps < 1:
-        p.error("--nproc, --load-nproc and --steps must be >= 1")
+    if min(args.nproc, args.load_nproc, args.steps, args.rounds) < 1:
+        p.error("--nproc, --load-nproc, --steps and --rounds must be >= 1")
+    if args.quick:
+        args.rounds = 1  # the smoke run checks that contenders work, not their speed
     return args
 
 

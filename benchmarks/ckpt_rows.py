@@ -179,7 +179,14 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
         # The failure is DeepSpeed's, measured and explained, not a broken harness.
         rows[2]["ok"], rows[2]["peer_limitation"] = True, rows[2].pop("error")
         rows[2]["error"] = None
+    if saves["zs"].ok:
+        drop_caches()
+        cat_s = _cat_seconds(base / "zs", m)
+        rows.append(_row(f"cat of zerostate's files, {m} processes (disk speed)", True,
+                         seconds=cat_s))
     ratios = [r for r in (
+        _ratio("load time, zerostate / cat of the same files", rows[0], rows[-1], "seconds",
+               None) if saves["zs"].ok else None,
         _ratio(f"load time, zerostate / {labels['dcp']}", rows[0], rows[1], "seconds", 1.0),
         _ratio(f"load time, zerostate / {rows[2]['contender']}", rows[0], rows[2], "seconds",
                1.0) if rows[2]["values"] else None,
@@ -189,6 +196,20 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
                      f"(one process group for all with --quick); loaded state checked by "
                      "the loss on a fixed batch",
             "rows": rows, "ratios": ratios, "notes": notes}
+
+
+def _cat_seconds(root: Path, procs: int) -> float:
+    """``cat`` every file under ``root`` to /dev/null with ``procs`` processes at once."""
+    import subprocess
+    import time
+
+    files = sorted(str(p) for p in root.rglob("*") if p.is_file())
+    groups = [g for g in (files[i::procs] for i in range(procs)) if g]
+    t0 = time.perf_counter()
+    running = [subprocess.Popen(["cat", *g], stdout=subprocess.DEVNULL) for g in groups]
+    if any(p.wait() for p in running):
+        raise BenchmarkError(f"cat of {root} failed")
+    return time.perf_counter() - t0
 
 
 def _consolidate_section(opts: Any, saves: dict, base: Path, size: str) -> dict:
