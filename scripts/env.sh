@@ -5,7 +5,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ZEROSTATE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
-EXTRAS="${ZEROSTATE_EXTRAS-test}"  # set it empty for the library alone
+# test + bench: the benchmark smoke test runs the peers (DeepSpeed etc.) and fails without them.
+EXTRAS="${ZEROSTATE_EXTRAS-test,bench}"  # set it empty for the library alone
 if [ ! -x "$VENV/bin/python" ]; then
     echo "zerostate: creating virtual environment in $VENV" >&2
     "$PY" -m venv "$VENV"
@@ -17,7 +18,9 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${ZEROSTATE_TORCH:-torch==2.13.0}"
     target="$ROOT"
     [ -n "$EXTRAS" ] && target="$ROOT[$EXTRAS]"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$target"
+    # DS_BUILD_OPS=0: DeepSpeed installs without compiling its C++/CUDA ops (the benchmarks
+    # use torch's AdamW through it), which keeps the install to pure-Python wheels.
+    DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$target"
     touch "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,1 @@
+"""zerostate beside its peers, side by side, in one run: ``python -m benchmarks``."""

@@ -1,0 +1,238 @@
+"""What every benchmark shares: launching torchrun jobs and child processes, timing, peak
+memory, the page cache, ``dd``, and the identical model/data/optimizer every contender gets.
+
+Launcher side (the ``python -m benchmarks`` process) never imports torch.distributed
+state; each contender runs in its own ``torchrun`` job (:func:`torchrun`) so that peak
+memory, imports and global state of one do not leak into the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+SEED = 1234
+
+# GPT-2 presets shared by every suite: (model config, per-rank micro-batch, sequence length).
+MODELS: dict[str, dict[str, int]] = {
+    # ~0.1M parameters: the smoke test.
+    "tiny": dict(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4),
+    # ~3.3M parameters: step timing on two CPU cores.
+    "small": dict(vocab_size=512, n_positions=64, n_embd=256, n_layer=4, n_head=4),
+    # ~26M parameters (~315 MB of fp32 weights + Adam moments): checkpoint I/O.
+    "io": dict(vocab_size=8192, n_positions=128, n_embd=512, n_layer=6, n_head=8),
+    # ~200M parameters: one GPU (benchmarks/gpu.sh).
+    "gpu": dict(vocab_size=32768, n_positions=1024, n_embd=1024, n_layer=12, n_head=16),
+}
+
+
+class BenchmarkError(RuntimeError):
+    """A contender failed; the message says which and why."""
+
+
+@dataclass
+class Job:
+    """Outcome of one launched job: its per-rank results (rank 0 first) or its error."""
+
+    name: str
+    ok: bool
+    wall_s: float
+    ranks: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+
+def _env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if not cuda_available():
+        # DeepSpeed otherwise probes for accelerators and may pick a CUDA build of torch.
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    env.update(extra or {})
+    return env
+
+
+def cuda_available() -> bool:
+    if os.environ.get("ZS_BENCH_CPU"):
+        return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _error_summary(result_dir: Path, output: str, rc: int | None) -> str:
+    """The most useful short line: the first rank's exception, else the output's tail."""
+    for path in sorted(result_dir.glob("rank*.err")):
+        lines = [ln for ln in path.read_text().strip().splitlines() if ln.strip()]
+        if lines:
+            return f"{path.stem}: {lines[-1].strip()}"
+    what = "timed out" if rc is None else f"exit status {rc}"
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    markers = ("Error", "Exception", "terminate called", "Signal ", "Killed")
+    hits = [ln for ln in lines if any(m in ln for m in markers) and "ChildFailedError" not in ln]
+    tail = hits or lines
+    return f"{what}: {tail[-1][:300] if tail else '(no output)'}"
+
+
+def _communicate(cmd: list[str], env: dict, timeout: float) -> tuple[int | None, str]:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+        out, _ = proc.communicate()
+        return None, out
+    except BaseException:  # interrupted (gpu.sh's time limit, Ctrl-C): leave no ranks behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def torchrun(name: str, task: str, params: dict, *, nproc: int, timeout: float = 600.0,
+             verbose: bool = False, env: dict[str, str] | None = None) -> Job:
+    """Run ``benchmarks.worker`` task ``task`` on ``nproc`` ranks; every rank returns a dict."""
+    result_dir = Path(tempfile.mkdtemp(prefix=f"zs-bench-{name}-"))
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "benchmarks.worker", task,
+               json.dumps(params), str(result_dir)]
+        t0 = time.perf_counter()
+        rc, out = _communicate(cmd, _env(params.get("threads", 1), env), timeout)
+        wall = time.perf_counter() - t0
+        if verbose:
+            print(out, file=sys.stderr)
+        files = [result_dir / f"rank{r}.json" for r in range(nproc)]
+        if rc == 0 and all(f.exists() for f in files):
+            return Job(name, True, wall, [json.loads(f.read_text()) for f in files])
+        return Job(name, False, wall, error=_error_summary(result_dir, out or "", rc))
+    finally:
+        shutil.rmtree(result_dir, ignore_errors=True)
+
+
+def launch(jobs: list[tuple[str, str, dict]], *, nproc: int, batch: bool, timeout: float,
+           verbose: bool = False, before: Callable[[], Any] | None = None) -> dict[str, Job]:
+    """Run ``(name, task, params)`` jobs on ``nproc`` ranks: one torchrun each (isolated
+    peak memory and imports; ``before()`` runs ahead of each), or with ``batch`` all in
+    one torchrun (one start-up)."""
+    if not batch:
+        out = {}
+        for name, task, params in jobs:
+            print(f"    {name} ...", flush=True)
+            if before is not None:
+                before()
+            out[name] = torchrun(name, task, params, nproc=nproc, timeout=timeout,
+                                 verbose=verbose)
+        return out
+    whole = torchrun("batch", "batch", {"jobs": [list(j) for j in jobs], "pg_timeout": 300},
+                     nproc=nproc, timeout=timeout * 2, verbose=verbose)
+    if not whole.ok:
+        return {name: Job(name, False, whole.wall_s, error=whole.error) for name, _, _ in jobs}
+    out = {}
+    for name, _, _ in jobs:
+        per_rank = [r[name] for r in whole.ranks]
+        bad = next((r for r in per_rank if not r["ok"]), None)
+        if bad is None:
+            out[name] = Job(name, True, whole.wall_s, [r["result"] for r in per_rank])
+        else:
+            lines = [ln for ln in bad["error"].strip().splitlines() if ln.strip()]
+            out[name] = Job(name, False, whole.wall_s, error=lines[-1] if lines else "failed")
+    return out
+
+
+def measure_child(cmd: list[str], *, timeout: float = 600.0,
+                  env: dict[str, str] | None = None) -> dict:
+    """Wall time and peak RSS (the largest process of the child's tree) of one command.
+
+    The command runs under a fresh ``benchmarks.rss`` process whose only descendants are
+    the command's, so its ``RUSAGE_CHILDREN`` high-water mark is the command's alone."""
+    wrapper = [sys.executable, "-m", "benchmarks.rss", *cmd]
+    rc, out = _communicate(wrapper, _env(1, env), timeout)
+    lines = [ln for ln in (out or "").splitlines() if ln.startswith("ZS_BENCH_RSS ")]
+    if rc != 0 or not lines:
+        tail = "\n".join([ln for ln in (out or "").strip().splitlines()
+                          if not ln.startswith("ZS_BENCH_RSS ")][-5:])
+        raise BenchmarkError(f"{' '.join(cmd[:3])} ... failed (rc {rc}):\n{tail}")
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water resident set size."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache; False when not permitted (not root)."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def tree_bytes(path: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def dd_fsync_seconds(directory: str | Path, nbytes: int) -> float:
+    """Seconds ``dd conv=fsync`` takes to write ``nbytes`` into ``directory`` (scaled to the
+    exact byte count from whole 4 MiB blocks)."""
+    path = Path(directory) / "zs-bench-dd.bin"
+    count = max(1, -(-nbytes // (4 * MIB)))
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={count}",
+                    "conv=fsync"], check=True, capture_output=True)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return seconds * nbytes / (count * 4 * MIB)
+
+
+def deepspeed_config(*, stage: int, micro_batch: int, world: int, bf16: bool = False,
+                     extra: dict[str, Any] | None = None) -> dict:
+    """DeepSpeed ZeRO ``stage`` with plain torch AdamW (``torch_adam``: no compiled
+    FusedAdam/CPUAdam op, so it runs on CPU), decaying every parameter like the others."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch * world,
+        "optimizer": {"type": "AdamW",
+                      "params": {"torch_adam": True, "lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    cfg.update(extra or {})
+    return cfg
+
+
+def version_of(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None

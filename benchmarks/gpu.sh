@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The CUDA/NCCL paths on one GPU, in under 8 minutes: parity of every stage (one process,
+# then several processes sharing the device if NCCL allows it), bf16 step time vs FSDP2 and
+# DeepSpeed, blocking and async save (pinned host buffers, side stream) vs DCP.
+#   bash benchmarks/gpu.sh [RESULT.json]     (default: $OUT/gpu-results.json, else the repo root)
+# Every part is guarded: a failure is recorded in the JSON and the next part runs.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# $OUT, when set, names a folder for the results; else they go to the repo root.
+RESULT="${1:-${OUT:-$ROOT}/gpu-results.json}"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# NCCL warnings (a refused shared device, say) land in the log.
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+"$PY" -c "import torch, zerostate; assert torch.cuda.is_available(), 'no CUDA device'" || {
+    echo "{\"error\": \"torch with CUDA and zerostate must be importable by $PY\"}" > "$RESULT"
+    exit 1
+}
+# Hard stop under 8 minutes; the JSON is rewritten after every part.
+timeout --signal=INT --kill-after=20 460 "$PY" -m benchmarks.gpu --out "$RESULT" --nproc 2
+rc=$?
+echo "gpu.sh: exit $rc, results in $RESULT"
+exit $rc
