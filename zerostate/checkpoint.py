@@ -370,7 +370,7 @@ class Checkpointer:
                     remove_partial_steps(path, storage_options=storage_options, only_step=step)
         except Exception as exc:  # reported to every rank below, then re-raised here
             code, error = _FAILED, exc
-        rows = self._exchange([code, save_id, step, _digest(sorted(objects)), _digest(objects)])
+        rows = self._exchange([code, save_id, step, _digest(sorted(objects))])
         self._raise_if_failed(
             error, [r[0] == _FAILED for r in rows], f"preparing save of step {step}"
         )
@@ -386,8 +386,10 @@ class Checkpointer:
                 "(by name) on every rank"
             )
         # Objects whose state is the same on every rank are saved once, in the commit
-        # record; otherwise every rank keeps its own (see [Note: per-rank stateful objects]).
-        per_rank = len({r[4] for r in rows}) > 1
+        # record; the others every rank keeps its own (see [Note: per-rank stateful objects]).
+        names = sorted(objects)
+        states = self._exchange([_digest(objects[n]) for n in names]) if names else []
+        per_rank = [n for i, n in enumerate(names) if len({row[i] for row in states}) > 1]
         code, save_id = rows[0][0], rows[0][1]
         if code == _REFUSED:
             raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
@@ -399,10 +401,9 @@ class Checkpointer:
         try:
             rank_state = {"rng": self._rng_state()}
             if per_rank:  # see [Note: per-rank stateful objects]
-                rank_state["stateful"] = objects
-                attrs["stateful_per_rank"] = sorted(objects)
-            else:
-                attrs["stateful"] = objects
+                rank_state["stateful"] = {n: objects[n] for n in per_rank}
+                attrs["stateful_per_rank"] = per_rank
+            attrs["stateful"] = {n: v for n, v in objects.items() if n not in per_rank}
             pieces = self._pieces()
             writer = StepWriter(
                 path,
@@ -601,9 +602,9 @@ class Checkpointer:
         """``(RNG states to restore or None, {name: decoded state} for ``stateful``)``.
 
         [Note: per-rank stateful objects]
-        A save compares the encoded states of the ``stateful`` objects across ranks. If
-        they are equal on every rank (a scheduler; a sampler that keeps a global position)
-        they are stored once, in the commit record, and restored on every rank at any world
+        A save compares the encoded state of each ``stateful`` object across ranks. One
+        that is equal on every rank (a scheduler; a sampler that keeps a global position)
+        is stored once, in the commit record, and restored on every rank at any world
         size. Otherwise each rank's states go into its own manifest and can only be restored
         at the same world size, each rank taking its own; at another world size the load
         fails naming them, because no mapping of N ranks' positions onto M ranks is right in
