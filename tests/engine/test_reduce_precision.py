@@ -41,9 +41,9 @@ def _worker(rank: int, world_size: int, settings: dict) -> dict:
         seen: list[list[torch.Tensor]] = []
         step = engine._optimizer.step
 
-        def capture(grads, step=step, seen=seen):
+        def capture(grads, stepped, step=step, seen=seen):
             seen.append([g.detach().double().clone() for g in grads])
-            return step(grads)
+            return step(grads, stepped)
 
         engine._optimizer.step = capture
         for micro in range(ACCUM):
