@@ -10,9 +10,8 @@ import time
 
 import pytest
 import torch
+import transformers
 from helpers_dist import run_distributed
-
-import transformers  # noqa: E402  (the test extra installs it)
 
 WORLD_SIZE = 4
 MB = 1 << 20
