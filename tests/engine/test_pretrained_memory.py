@@ -120,7 +120,9 @@ def test_load_1gb_checkpoint_on_four_ranks_in_bounded_memory(tmp_path) -> None:
         assert r["load_peak"] <= total / WORLD_SIZE + 300 * MB
         # Construction holds this rank's states and one module at a time, never the model.
         assert r["construct_peak"] <= r["model_states"] + 2 * largest + 300 * MB
-        assert r["construct_peak"] < total
+        # Beyond its own states (at 4 ranks fp32 AdamW state is already 3/4 of the model's
+        # bytes), a rank never held more than a fraction of the model at once.
+        assert r["construct_peak"] - r["model_states"] < total / 2
     model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), local_files_only=True)
     with torch.no_grad():
         expected = model(input_ids=TOKENS).logits
