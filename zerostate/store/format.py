@@ -366,13 +366,15 @@ def _parse_chunk(entry: Any, what: str) -> ChunkRecord:
     )
 
 
-def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> TensorInfo:
-    if not isinstance(entry, dict):
-        raise CorruptCheckpointError(f"{what}: expected an object")
+def parse_shape_dtype_layout(
+    entry: dict, world_size: int, what: str, max_dim: int | None = None, max_ndim: int = 64
+) -> tuple[tuple[int, ...], torch.dtype, TensorLayout]:
+    """A tensor entry's logical shape, dtype and layout, checked against each other and
+    the step's world size (shared by every format version)."""
     shape_json = entry.get("shape")
-    if not isinstance(shape_json, list):
-        raise CorruptCheckpointError(f"{what}: shape must be a list")
-    shape = tuple(_int(d, f"{what}: shape", 0) for d in shape_json)
+    if not isinstance(shape_json, list) or len(shape_json) > max_ndim:
+        raise CorruptCheckpointError(f"{what}: shape must be a list of at most {max_ndim} ints")
+    shape = tuple(_int(d, f"{what}: shape", 0, max_dim) for d in shape_json)
     dtype = dtype_from_name(entry.get("dtype"))
     try:
         layout = TensorLayout.from_json(entry.get("layout"))
@@ -382,6 +384,13 @@ def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> TensorIn
         raise CorruptCheckpointError(
             f"{what}: layout {layout} does not match shape {shape} / world_size {world_size}"
         )
+    return shape, dtype, layout
+
+
+def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise CorruptCheckpointError(f"{what}: expected an object")
+    shape, dtype, layout = parse_shape_dtype_layout(entry, world_size, what)
     attrs = entry.get("attrs", {})
     chunks_json = entry.get("chunks")
     if not isinstance(attrs, dict) or not isinstance(chunks_json, list):

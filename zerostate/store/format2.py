@@ -6,12 +6,10 @@ plan ([Note: rows]) both sides derive from the tensors' layouts.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
-from zerostate.partition import TensorLayout
 from zerostate.store import format as fmt
 from zerostate.store.rows import GroupPlan, group_of, plan_groups, row_path
 
@@ -194,19 +192,7 @@ def check_row(plan: GroupPlan, rank: int, row: RowRecord | None, where: str) -> 
 def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> fmt.TensorInfo:
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"{what}: expected an object")
-    shape_json = entry.get("shape")
-    if not isinstance(shape_json, list) or len(shape_json) > 64:
-        raise CorruptCheckpointError(f"{what}: shape must be a list of at most 64 ints")
-    shape = tuple(fmt._int(d, f"{what}: shape", 0, MAX_ROW_NBYTES) for d in shape_json)
-    dtype = fmt.dtype_from_name(entry.get("dtype"))
-    try:
-        layout = TensorLayout.from_json(entry.get("layout"))
-    except (ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{what}: bad layout ({exc})") from exc
-    if layout.numel != math.prod(shape) or layout.world_size != world_size:
-        raise CorruptCheckpointError(
-            f"{what}: layout {layout} does not match shape {shape} / world_size {world_size}"
-        )
+    shape, dtype, layout = fmt.parse_shape_dtype_layout(entry, world_size, what, MAX_ROW_NBYTES)
     attrs = entry.get("attrs", {})
     if not isinstance(attrs, dict):
         raise CorruptCheckpointError(f"{what}: attrs must be an object")

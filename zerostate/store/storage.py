@@ -263,25 +263,8 @@ class LocalStorage(Storage):
                 self._dirty_dirs.update(os.path.dirname(m) for m in missing)
 
     def write(self, path: str, parts: Sequence[Buffer]) -> None:
-        target = self._contained(path)
-        partial = target + ".partial"
-        try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-            fd = os.open(partial, flags, 0o644)
-            try:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while view.nbytes:
-                        done = os.write(fd, view[:_WRITE_SLICE])  # releases the GIL
-                        view = view[done:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(partial, target)
-        except OSError as exc:
-            raise StorageError(f"writing {target} failed: {exc}") from exc
-        with self._lock:
-            self._dirty_dirs.add(os.path.dirname(target))
+        views = [memoryview(p).cast("B") for p in parts]
+        self.write_stream(path, lambda: views, sum(v.nbytes for v in views))
 
     def sync_dirs(self) -> None:
         with self._lock:
