@@ -25,8 +25,10 @@ on one rank ends in one small all-gather of an error flag (``_agree``): preparin
 (rank 0's checks of the target, each rank's previous async save), writing (blocking saves),
 committing, and reading a load. After it, either every rank goes on or every rank raises:
 the failing rank its own error, the others a CheckpointError naming the failed rank(s).
-Background (async) writes cannot use collectives; they rely on the commit timeout, and
-their error surfaces at the next save, load, ``handle.wait()`` or ``close()``.
+Background (async) writes cannot use collectives: a rank whose part fails leaves an abort
+note in the step's storage, which the others' commit polling sees at once (if the failing
+storage refuses the note too, they give up at the commit timeout); each rank's error
+surfaces at its next save, load, ``handle.wait()`` or ``close()``.
 
 On a GPU the deferred copy runs on a side stream created on the state's device, inside the
 background thread (a fresh thread's current device is 0, which is not every local rank's).
@@ -441,10 +443,16 @@ class Checkpointer:
             return SaveHandle(step, path, None, time.perf_counter() - start)
 
         def finish() -> None:
-            if copy is not None:
-                copy()
-            writer.write(shards)
-            writer.commit(wait=True)
+            try:
+                if copy is not None:
+                    copy()
+                writer.write(shards)
+                writer.commit(wait=True)
+            except Exception as exc:
+                # No collectives on this thread: a note in storage stops the other ranks
+                # waiting for a commit that cannot come (see [Note: failing together]).
+                writer.abort(exc)
+                raise
             if self.rank == 0:
                 self._retain(path, step, keep_last, storage_options)
 

@@ -41,7 +41,7 @@ def _train_step(engine) -> None:
 
 
 @contextlib.contextmanager
-def _failing_storage(root: str, mode: str, err: int):
+def _failing_storage(root: str, mode: str, err: int, only: str = ""):
     """Opening a file under ``root`` for writing (mode "w") or reading ("r") fails with
     ``err``: below the store, so it hits whatever objects the format writes or reads."""
     real_os_open, real_open, real_io_open = os.open, builtins.open, io.open
@@ -52,7 +52,8 @@ def _failing_storage(root: str, mode: str, err: int):
             path = os.path.realpath(os.fspath(path))
         except TypeError:
             return False
-        return path.startswith(root + os.sep) and writing == (mode == "w")
+        inside = path.startswith(root + os.sep) and only in path
+        return inside and writing == (mode == "w")
 
     def os_open(path, flags, *args, **kwargs):
         if hit(path, bool(flags & (os.O_WRONLY | os.O_RDWR))):
@@ -96,10 +97,15 @@ def _worker(rank: int, world_size: int, root: str, stage: int, failing_rank: int
         ("save, disk full", "w", errno.ENOSPC, lambda: engine.save(root)),
         ("save, permission denied", "w", errno.EACCES, lambda: engine.save(root, step=5)),
         ("load, I/O error", "r", errno.EIO, lambda: engine.load(root, step=1)),
+        # Background writes cannot use collectives: the failing rank's abort note (written
+        # where its data rows failed: here only the model rows) tells the others.
+        ("async save, data rows refused", "w", errno.EACCES,
+         lambda: engine.save(root, step=6, blocking=False).wait()),
     ]  # fmt: skip
     for name, mode, err, action in scenarios:
+        only = f"{os.sep}model{os.sep}" if name.startswith("async") else ""
         if rank == failing_rank:
-            with _failing_storage(root, mode, err):
+            with _failing_storage(root, mode, err, only):
                 out[name] = _outcome(action)
         else:
             out[name] = _outcome(action)
@@ -122,7 +128,7 @@ def test_one_rank_failing_fails_every_rank_quickly(tmp_path, world_size, stage):
     root = str(tmp_path / "ckpt")
     results = run_distributed(_worker, world_size, root, stage, world_size - 1, timeout=600)
     for name in ("save, disk full", "save, permission denied", "load, I/O error",
-                 "different steps"):  # fmt: skip
+                 "async save, data rows refused", "different steps"):  # fmt: skip
         for rank, result in enumerate(results):
             kind, message, elapsed = result[name]
             assert kind != "ok", f"{name}: rank {rank} did not fail"
@@ -131,7 +137,8 @@ def test_one_rank_failing_fails_every_rank_quickly(tmp_path, world_size, stage):
         failing = results[world_size - 1][name]
         if name != "different steps":
             # The rank that failed names its own cause; the others name the failed rank.
-            cause = {"disk full": "No space", "permission": "ermission", "I/O": "Input/output"}
+            cause = {"disk full": "No space", "permission": "ermission", "I/O": "Input/output",
+                     "refused": "ermission"}  # fmt: skip
             assert any(v in failing[1] for k, v in cause.items() if k in name), failing
             for rank in range(world_size - 1):
                 assert f"{world_size - 1}" in results[rank][name][1], results[rank][name]

@@ -49,6 +49,9 @@ READ_VERSIONS = (1, 2)
 META_DIR = "_zerostate"
 COMMIT_PATH = f"{META_DIR}/commit/zarr.json"
 MANIFEST_DIR = f"{META_DIR}/manifests"
+#: A rank whose part of a save failed leaves a note here (best effort), so the other ranks
+#: stop waiting for a commit that cannot come. Only partial steps ever hold one.
+ABORT_DIR = f"{META_DIR}/aborts"
 CHECKSUM_NBYTES = 4
 MAX_STEP = 99_999_999
 MAX_RANKS = 99_999
@@ -174,6 +177,10 @@ def parse_step_dir(name: str) -> int | None:
 
 def chunk_path(name: str, index: int) -> str:
     return f"{name}/c/{index}"
+
+
+def abort_path(rank: int) -> str:
+    return f"{ABORT_DIR}/rank-{rank:05d}/zarr.json"
 
 
 def manifest_path(rank: int) -> str:

@@ -364,6 +364,7 @@ class StepWriter:
                     manifests[r] = manifest
             if len(manifests) == self.world_size:
                 break
+            self._raise_if_aborted()
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in manifests]
                 raise CommitTimeoutError(
@@ -458,6 +459,38 @@ class StepWriter:
         self._storage.write(self._path(fmt.COMMIT_PATH), [doc])
         self._storage.sync_dirs()
 
+    def abort(self, error: BaseException) -> None:
+        """Leave a note that this rank's part of the save failed, so that rank 0 and the
+        others stop waiting for the commit at once instead of at the timeout. Best effort:
+        the storage that failed may refuse the note too (then the timeout applies)."""
+        note = {"rank": self.rank, "save_id": self._save_id, "error": str(error)[:2000]}
+        path = self._path(fmt.abort_path(self.rank))
+        try:
+            if self._storage.has_directories:
+                self._storage.makedirs([path.rsplit("/", 1)[0]])
+            self._storage.write(path, [fmt.group_document({"zerostate_abort": note})])
+            self._storage.sync_dirs()
+        except Exception:  # noqa: BLE001 - the original error is the one that matters
+            pass
+
+    def _raise_if_aborted(self) -> None:
+        listed = self._storage.list_dir(self._path(fmt.ABORT_DIR))
+        for entry in listed:
+            rank = _abort_rank(entry, self.world_size)
+            if rank is None or rank == self.rank:
+                continue
+            try:
+                raw = self._storage.read(self._path(fmt.abort_path(rank)))
+                note = fmt.parse_document(raw, "zerostate_abort", f"abort note of rank {rank}")
+            except (FileNotFoundError, CorruptCheckpointError):
+                continue  # still being written, or not a note of ours
+            if self._save_id is not None and note.get("save_id") != self._save_id:
+                continue  # left by an earlier attempt at this step
+            raise CheckpointError(
+                f"step {self.step} at {self.url}: rank {rank} failed to save its part "
+                f"({str(note.get('error'))[:500]}); nothing was committed"
+            )
+
     def _wait_for_commit(self, deadline: float) -> None:
         delay = 0.01
         path = self._path(fmt.COMMIT_PATH)
@@ -467,6 +500,7 @@ class StepWriter:
                 record = fmt.parse_document(raw, "zerostate_commit", f"commit record of {self.url}")
                 if self._save_id is None or record.get("save_id") == self._save_id:
                     return
+            self._raise_if_aborted()
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(
                     f"step {self.step} at {self.url}: rank {self.rank} waited "
@@ -475,3 +509,11 @@ class StepWriter:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
+
+
+def _abort_rank(entry: str, world_size: int) -> int | None:
+    """The rank of an abort note's directory name ``rank-<5 digits>``, if valid."""
+    if len(entry) == 10 and entry.startswith("rank-") and entry[5:].isdigit():
+        rank = int(entry[5:])
+        return rank if rank < world_size else None
+    return None
