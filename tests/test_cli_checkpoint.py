@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_cli
 from safetensors.torch import load_file
-from zerostate_cli.main import main
 
 from zerostate.store import open_checkpoint, save_tensors
 
@@ -35,8 +35,9 @@ def source_tensors() -> dict[str, torch.Tensor]:
 def write_step(root: str, tensors: dict, world_size: int, step: int, ranks=None) -> None:
     """Write ``step`` as ``world_size`` ranks would; ``ranks`` limits it to some ranks and
     skips the commit (a crashed save)."""
-    save_tensors(root, step, tensors, world_size=world_size, min_shard_numel=64, attrs=ATTRS,
-                 ranks=ranks)
+    save_tensors(
+        root, step, tensors, world_size=world_size, min_shard_numel=64, attrs=ATTRS, ranks=ranks
+    )
 
 
 @pytest.fixture
@@ -46,15 +47,6 @@ def ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     write_step(str(root), tensors, 3, step=5)
     write_step(str(root), tensors, 3, step=7)
     return root, tensors
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse usage errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    return int(code or 0), out, err
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:
@@ -280,8 +272,9 @@ def test_output_into_a_closed_pipe_is_not_an_error(tmp_path):
     root = tmp_path / "many"
     save_tensors(str(root), 1, tensors, world_size=1)
     cmd = f"{sys.executable} -m zerostate_cli.main inspect {root} | head -1"
-    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("checkpoint ")
     assert "error" not in proc.stderr.lower()

@@ -6,18 +6,10 @@ import os
 from pathlib import Path
 
 import pytest
-from zerostate_cli.main import main
+from cli_helpers import run_cli_err as run_cli
 
 from zerostate.errors import CheckpointNotFoundError
 from zerostate.store import open_checkpoint
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return int(code or 0), capsys.readouterr().err
 
 
 def _tree(root: Path) -> list[str]:

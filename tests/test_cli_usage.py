@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from zerostate_cli.main import main
+from cli_helpers import run_cli
 
 from zerostate.store import open_checkpoint, save_tensors
 
@@ -24,15 +24,6 @@ def ckpt(tmp_path: Path) -> Path:
     root = tmp_path / "ckpt"
     save_tensors(str(root), 2, TENSORS, world_size=1, min_shard_numel=64)
     return root
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse usage errors
-        code = exc.code
-    out, err = capsys.readouterr()
-    return int(code or 0), out, err
 
 
 def assert_one_line(err: str, *needles: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from zerostate_cli.main import main
+from cli_helpers import run_cli_err as run_cli
 
 from zerostate.errors import ConfigError
 from zerostate.store import open_checkpoint, save_tensors
@@ -32,14 +32,6 @@ def ckpt(tmp_path: Path) -> Path:
     root = tmp_path / "runs" / "ckpt"
     save_tensors(str(root), 3, TENSORS, world_size=2, min_shard_numel=64)
     return root
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return int(code or 0), capsys.readouterr().err
 
 
 def assert_source_intact(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
