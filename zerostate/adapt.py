@@ -76,6 +76,18 @@ def replicated_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_buffers()) + frozen
 
 
+def non_persistent_buffers(model: nn.Module) -> list[str]:
+    """Canonical names of the buffers ``model.state_dict()`` leaves out (registered with
+    ``persistent=False``, e.g. rotary ``inv_freq``). Checkpoints keep them, so a resume
+    restores them exactly; a consolidated export leaves them out, as ``state_dict`` does."""
+    names = []
+    for prefix, module in model.named_modules():
+        for n in module._non_persistent_buffers_set:
+            if module._buffers.get(n) is not None:
+                names.append(canonical_name(f"{prefix}.{n}" if prefix else n))
+    return sorted(set(names))
+
+
 def check_compile(model: nn.Module, stage: int) -> None:
     """Refuse the torch.compile uses stage 3 cannot run, before anything is built.
 

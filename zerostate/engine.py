@@ -404,6 +404,7 @@ class Engine:
             "config": self.config.summary(),
             "tied": dict(self.tied),
             "frozen": [sp.name for sp in self._params if not sp.trainable],
+            "non_persistent_buffers": adapt.non_persistent_buffers(self.module),
             "optimizer": self._optimizer.metadata(),
         }
 

@@ -100,5 +100,9 @@ def test_finetune_example_two_nodes_resumed_on_one(tmp_path) -> None:
     # The export: checked in the script against the engine's logits, and opened here.
     diff = float(re.search(r"logits vs engine: max abs diff (\S+)", out).group(1))
     assert diff <= 1e-5, out[-3000:]
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(work / "hf"), local_files_only=True)
+    hf, info = transformers.LlamaForCausalLM.from_pretrained(
+        str(work / "hf"), local_files_only=True, output_loading_info=True
+    )
     assert hf.config.num_hidden_layers == 2
+    # The export holds what state_dict() holds: no rotary inv_freq, nothing missing.
+    assert not info["unexpected_keys"] and not info["missing_keys"], info

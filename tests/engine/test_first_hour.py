@@ -131,3 +131,63 @@ def test_first_hour_engine(tmp_path: Path) -> None:
 def test_cast_forward_inputs_is_validated() -> None:
     with pytest.raises(ConfigError, match="cast_forward_inputs"):
         zerostate.EngineConfig(cast_forward_inputs=1)
+
+
+class Rotary(nn.Module):
+    """Buffers of both kinds, at the top and in a child: ``inv`` is not persistent (as
+    a rotary ``inv_freq`` is), ``scale`` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.h = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+        self.register_buffer("inv", torch.arange(6, dtype=torch.float32) / 7, persistent=False)
+        self.h[1].register_buffer("scale", torch.full((6,), 0.5))
+        self.h[1].register_buffer("cache", torch.ones(3), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.h[1](self.h[0](self.lin(x) * self.inv)) * self.h[1].scale
+        return x.square().mean() + 0 * self.h[1].cache.sum()
+
+
+def _buffers_worker(rank: int, world_size: int, tmp: str) -> dict:
+    out: dict = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        engine = zerostate.Engine(Rotary(), stage=stage)
+        engine.backward(engine(torch.randn(4, 6)))
+        engine.step()
+        root = os.path.join(tmp, f"s{stage}")
+        engine.save(root)
+        fresh_model = Rotary()
+        with torch.no_grad():
+            fresh_model.inv.zero_()
+            fresh_model.h[1].cache.zero_()
+        zerostate.Engine(fresh_model, stage=stage).load(root)
+        out[stage] = (fresh_model.inv.tolist(), fresh_model.h[1].cache.tolist())
+    return out
+
+
+def test_export_leaves_out_non_persistent_buffers(tmp_path: Path) -> None:
+    from zerostate.store.consolidate import non_persistent_names
+
+    results = run_distributed(_buffers_worker, 2, str(tmp_path), timeout=300)
+    expected = sorted(Rotary().state_dict())
+    for stage in (0, 3):
+        for r in results:  # the checkpoint keeps them: a resume restores them exactly
+            assert r[stage] == ((torch.arange(6.0) / 7).tolist(), [1.0, 1.0, 1.0])
+        root = str(tmp_path / f"s{stage}")
+        st = open_checkpoint(root).step()
+        assert {"buffers/inv", "buffers/h.1.cache", "buffers/h.1.scale"} <= set(st.tensors)
+        assert st.attrs["engine"]["non_persistent_buffers"] == ["h.1.cache", "inv"]
+        out = tmp_path / f"s{stage}.safetensors"
+        consolidate(root, str(out))
+        tensors = load_file(str(out))
+        assert sorted(tensors) == expected  # what model.load_state_dict(strict=True) takes
+        model = Rotary()
+        model.load_state_dict(tensors, strict=True)
+    for bad in ("inv", [1], {"inv": 1}):
+        with pytest.raises(CheckpointError, match="non_persistent_buffers"):
+            non_persistent_names({"engine": {"non_persistent_buffers": bad}})
+    assert non_persistent_names({}) == frozenset()
+    assert non_persistent_names({"engine": "junk"}) == frozenset()

@@ -16,7 +16,10 @@ shard first and writes ``<prefix>.safetensors.index.json`` last: without the ind
 Hugging Face loaders do not consider the directory a checkpoint.
 
 Only model weights (``model/<param>``, written as ``<param>``) and buffers
-(``buffers/<name>``, written as ``<name>``) are exported; optimizer state is skipped.
+(``buffers/<name>``, written as ``<name>``) are exported; optimizer state is skipped, and
+so are the buffers the engine recorded as non-persistent
+(``attrs["engine"]["non_persistent_buffers"]``): the export holds what the model's
+``state_dict()`` holds.
 Tied parameters (``attrs["engine"]["tied"] = {alias: canonical}``) are stored once, under
 the canonical name, and are exported once: safetensors refuses shared storage, and Hugging
 Face models re-tie aliases on load (``tie_word_embeddings``). The aliases are returned in
@@ -144,8 +147,11 @@ class ConsolidateResult:
     tied: dict[str, str] = field(default_factory=dict)
 
 
-def export_entries(tensors: dict[str, Any], dtype: torch.dtype | None) -> list[ExportEntry]:
-    """Select model weights and buffers from a step's ``tensors`` (name -> TensorInfo).
+def export_entries(
+    tensors: dict[str, Any], dtype: torch.dtype | None, skip: frozenset[str] = frozenset()
+) -> list[ExportEntry]:
+    """Select model weights and buffers from a step's ``tensors`` (name -> TensorInfo),
+    leaving out the buffers named in ``skip`` (see ``non_persistent_names``).
 
     Floating-point tensors are cast to ``dtype`` when given; integer and bool buffers
     (step counters, position ids, masks) keep their dtype. The order is the step's tensor
@@ -159,6 +165,8 @@ def export_entries(tensors: dict[str, Any], dtype: torch.dtype | None) -> list[E
             name = source[len(MODEL_PREFIX) :]
         elif source.startswith(BUFFERS_PREFIX):
             name = source[len(BUFFERS_PREFIX) :]
+            if name in skip:
+                continue
         else:
             continue
         if name in seen:
@@ -173,6 +181,18 @@ def export_entries(tensors: dict[str, Any], dtype: torch.dtype | None) -> list[E
         entries.append(ExportEntry(name, source, tuple(info.shape), out_dtype, int(info.numel)))
     entries.sort(key=lambda e: -e.dtype.itemsize)
     return entries
+
+
+def non_persistent_names(attrs: dict) -> frozenset[str]:
+    """Buffers the engine recorded as non-persistent (``state_dict`` leaves them out, so
+    an export does too); checked, since the list comes from storage."""
+    engine = attrs.get("engine")
+    names = engine.get("non_persistent_buffers", []) if isinstance(engine, dict) else []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CorruptCheckpointError(
+            f"engine attrs: non_persistent_buffers must be a list of names, got {names!r:.200}"
+        )
+    return frozenset(names)
 
 
 def safetensors_header(entries: list[ExportEntry]) -> bytes:
@@ -238,7 +258,7 @@ def consolidate(
     reader = _open(ckpt, storage_options)
     _refuse_inside_checkpoint(reader.url, out_path)
     st = reader.step(step)
-    entries = export_entries(st.tensors, cast)
+    entries = export_entries(st.tensors, cast, non_persistent_names(st.attrs))
     shards = plan_shards(entries, limit)
 
     if limit is None:
@@ -268,7 +288,8 @@ def consolidate(
     if progress is not None and not entries:
         progress(0, 0)
 
-    tied = (st.attrs.get("engine") or {}).get("tied") or {}
+    engine = st.attrs.get("engine")
+    tied = (engine.get("tied") if isinstance(engine, dict) else None) or {}
     return ConsolidateResult(
         step=st.step,
         files=targets,
