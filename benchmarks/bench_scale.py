@@ -2,7 +2,7 @@
 per state group and rank), from the planner alone and measured on storage.
 
     python benchmarks/bench_scale.py plan                   # Llama-7B/70B, 8..4096 ranks
-    python benchmarks/bench_scale.py s3 [--fraction 1.0]    # one rank's share on SeaweedFS
+    python benchmarks/bench_scale.py s3 [--model M] [--fraction F]  # one rank's share, S3
     python benchmarks/bench_scale.py disk --dir /tmp/x      # save throughput vs dd, local
     python benchmarks/bench_scale.py all --dir /tmp/x --out results.md
 
@@ -17,11 +17,14 @@ the RNG state as ``rank_state``) and documents. Format-2 metadata sizes are thos
 canonical JSON of the real documents (checksums filled in with placeholders of the same
 width); format-1 sizes are estimated from the number of entries times their size.
 
-``s3`` starts SeaweedFS the way tests/conftest.py does and times writing one rank's share
-of Llama-7B state at 1,024 ranks, as format-1 objects (one PUT per chunk and per array
+``s3`` starts SeaweedFS (benchmarks/s3.py) and times writing one rank's share of Llama-7B
+(or ``--model``) state at 1,024 ranks, as format-1 objects (one PUT per chunk and per array
 document the rank owns, on 8 threads like the format-1 writer, plus its manifest) and as
-format 2 (``StepWriter.write``: its three rows and its manifest). ``--fraction`` keeps
-that share of the tensors (object sizes and their mix unchanged).
+format 2 (``StepWriter.write``: its three rows and its manifest), alternating, each into a
+fresh bucket; median and range of ``--repeat`` rounds. ``--latency-ms`` adds rows where a
+proxy process (tests/faults/_proxy.py) holds every request that long before passing it on,
+as the round trip to a network object store does. ``--fraction`` keeps that share of the
+tensors (object sizes and their mix unchanged).
 
 ``disk`` times a sync save of one rank's share (fsync, rename, directory fsync) in format
 2, the format-1 object set written through the same storage layer, and ``dd bs=4M
@@ -36,6 +39,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -275,63 +279,87 @@ def write_v2(root: str, options: dict | None, specs: list, rank: int, world: int
     writer.write(shards)
 
 
-def run_s3(fraction: float, repeat: int) -> str:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import conftest  # the SeaweedFS helpers of the test suite
+class _LatencyProxy:
+    """The fault proxy of tests/faults in a process of its own, holding every request
+    ``latency_ms`` before passing it on: the round trip a network object store adds to
+    each request, which a server on the same machine does not have."""
 
-    weed = conftest._weed_binary()
-    data_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"zs-bench-weed-{os.getpid()}"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    master, volume, filer, s3, m_grpc, v_grpc, f_grpc, s_grpc = conftest._free_ports(8)
-    cmd = [
-        weed, "server", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        f"-master.port={master}", f"-master.port.grpc={m_grpc}",
-        f"-volume.port={volume}", f"-volume.port.grpc={v_grpc}",
-        f"-filer.port={filer}", f"-filer.port.grpc={f_grpc}",
-        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s_grpc}",
-        "-volume.max=1000", "-master.volumeSizeLimitMB=512",
-        "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false",
-    ]  # fmt: skip
-    log_path = data_dir / "weed.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = conftest.S3Server(
-        f"http://127.0.0.1:{s3}", conftest.S3_KEY, conftest.S3_SECRET, proc.pid, log_path
-    )
+    def __init__(self, upstream_port: int, latency_ms: float) -> None:
+        faults = Path(__file__).resolve().parents[1] / "tests" / "faults"
+        code = (
+            f"import sys, time; sys.path.insert(0, {str(faults)!r}); "
+            "from _proxy import FaultyProxy; "
+            f"p = FaultyProxy({upstream_port}, seed=0, delay_rate=1.0, "
+            f"delay_s={latency_ms / 1000!r}); p.__enter__(); "
+            "print(p.port, flush=True); time.sleep(1e9)"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+        )
+        line = self.proc.stdout.readline().strip()
+        if not line.isdigit():
+            self.close()
+            raise RuntimeError(f"latency proxy did not start (printed {line!r})")
+        self.endpoint = f"http://127.0.0.1:{line}"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def run_s3(model: str, fraction: float, repeat: int, latencies_ms: list[float]) -> str:
+    """Rows of the s3 table: for each added per-request latency, format 1 vs format 2,
+    alternating, each write into a fresh bucket that already holds one object (SeaweedFS
+    grows a new bucket's volumes on its first write; that is not the format's cost)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import s3fs
+
+    from benchmarks.s3 import SeaweedFS, storage_options
+
+    server = SeaweedFS()
+    rows = []
     try:
-        conftest._wait_ready(server, proc)
         world, rank = 1024, 1
-        params = llama_params(**SHAPES["Llama-7B"])
+        params = llama_params(**SHAPES[model])
         v1_objects, specs = share(params, world, rank, fraction)
         nbytes = sum(n for _, n in v1_objects)
         largest = max(n for _, n in v1_objects)
         buf = torch.ones(max(largest // 4 + 1, 1), dtype=torch.float32)
         view = memoryview(buf.view(torch.uint8).numpy())
-        best = {"v1": math.inf, "v2": math.inf}
-        fs = server.filesystem()
-        for i in range(repeat):
-            for kind in ("v1", "v2"):
-                bucket, options = server.new_bucket(f"bench-{kind}")
-                root = f"s3://{bucket}/ckpt"
-                t0 = time.perf_counter()
-                if kind == "v1":
-                    write_v1(f"{root}/step-00000001", options, v1_objects, view)
-                else:
-                    write_v2(root, options, specs, rank, world, buf)
-                best[kind] = min(best[kind], time.perf_counter() - t0)
-                fs.rm(bucket, recursive=True)
-                print(f"s3 round {i} {kind}: {time.perf_counter() - t0:.2f} s", flush=True)
-        v2_rows = len(STATES) + 1
-        return (
-            f"| SeaweedFS, Llama-7B share of rank {rank} of {world} "
-            f"({fraction:g} of the tensors, {nbytes / MIB:.1f} MiB) | "
-            f"{len(v1_objects)} objects: {best['v1']:.2f} s | {v2_rows} objects: "
-            f"{best['v2']:.2f} s | {best['v1'] / best['v2']:.1f}x |"
-        )
+        port = int(server.endpoint.rsplit(":", 1)[1])
+        for latency in latencies_ms:
+            proxy = _LatencyProxy(port, latency) if latency else None
+            options = storage_options(proxy.endpoint if proxy else server.endpoint)
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+            times: dict[str, list[float]] = {"v1": [], "v2": []}
+            try:
+                for i in range(repeat):
+                    for kind in ("v1", "v2") if i % 2 == 0 else ("v2", "v1"):
+                        bucket = server.new_bucket()
+                        fs.pipe_file(f"{bucket}/warm-up", b"x" * 4096)
+                        root = f"s3://{bucket}/ckpt"
+                        t0 = time.perf_counter()
+                        if kind == "v1":
+                            write_v1(f"{root}/step-00000001", options, v1_objects, view)
+                        else:
+                            write_v2(root, options, specs, rank, world, buf)
+                        times[kind].append(time.perf_counter() - t0)
+                        print(f"s3 +{latency:g} ms round {i} {kind}: {times[kind][-1]:.2f} s",
+                              flush=True)  # fmt: skip
+            finally:
+                if proxy:
+                    proxy.close()
+            v1, v2 = statistics.median(times["v1"]), statistics.median(times["v2"])
+            rows.append(
+                f"| SeaweedFS{f' + {latency:g} ms per request' if latency else ''}, "
+                f"{model} share of rank {rank} of {world} ({fraction:g} of the tensors, "
+                f"{nbytes / MIB:.1f} MiB) | {len(v1_objects)} objects: {v1:.2f} s "
+                f"({min(times['v1']):.2f}-{max(times['v1']):.2f}) | {len(STATES) + 1} objects: "
+                f"{v2:.2f} s ({min(times['v2']):.2f}-{max(times['v2']):.2f}) | {v1 / v2:.2f}x |"
+            )
     finally:
-        os.killpg(proc.pid, 9)
-        proc.wait(timeout=30)
-        shutil.rmtree(data_dir, ignore_errors=True)
+        server.close()
+    return "\n".join(rows)
 
 
 def _dd_source(directory: str, nbytes: int) -> str:
@@ -400,9 +428,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["plan", "s3", "disk", "all"])
     parser.add_argument("--dir", default="/tmp/zs-bench-scale", help="disk: where to write")
+    parser.add_argument("--model", choices=list(SHAPES), default="Llama-7B", help="s3: shapes")
     parser.add_argument("--fraction", type=float, default=1.0, help="share of the tensors")
     parser.add_argument("--disk-ranks", type=int, default=8, help="disk: world size")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        nargs="+",
+        default=[0, 10, 30],
+        help="s3: per-request latencies to add with a proxy (0: the server directly)",
+    )
     parser.add_argument("--out", help="also write the markdown tables here")
     args = parser.parse_args()
     sections = []
@@ -411,10 +447,10 @@ def main() -> None:
             "### Objects, metadata and planning per step (AdamW state)\n\n" + run_plan()
         )
     if args.what in ("s3", "all"):
-        row = run_s3(args.fraction, args.repeat)
+        row = run_s3(args.model, args.fraction, args.repeat, args.latency_ms)
         sections.append(
-            "### Writing one rank's share at 1,024 ranks\n\n| case | format 1 | format 2 | "
-            "speed-up |\n|---|---:|---:|---:|\n" + row
+            f"### Writing one rank's share at 1,024 ranks (median of {args.repeat}, range)"
+            "\n\n| case | format 1 | format 2 | speed-up |\n|---|---:|---:|---:|\n" + row
         )
     if args.what in ("disk", "all"):
         os.makedirs(args.dir, exist_ok=True)

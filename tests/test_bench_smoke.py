@@ -134,3 +134,26 @@ def test_problems_catch_failed_and_non_finite():
     missing["sections"][0]["rows"][0]["values"] = {}
     missing["sections"][0]["ratios"] = []
     assert problems(missing) == ["save/c: no numbers"]
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.timeout(600)
+def test_bench_scale_runs(tmp_path):
+    """benchmarks/bench_scale.py: the planner tables and the SeaweedFS rows (direct and
+    behind the latency proxy) at a tiny fraction of a rank's share."""
+    out = tmp_path / "scale.md"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_scale.py"), "all",
+           "--dir", str(tmp_path / "disk"), "--fraction", "0.02", "--repeat", "1",
+           "--disk-ranks", "8", "--latency-ms", "0", "5", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert sum("Llama-7B (" in r and "| 1024 |" in r for r in rows) == 1, text
+    s3_rows = [r for r in rows if r.startswith("| SeaweedFS")]
+    assert len(s3_rows) == 2 and "+ 5 ms per request" in s3_rows[1], text
+    for row in s3_rows:  # both formats timed, a finite positive ratio
+        ratio = float(row.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("x"))
+        assert math.isfinite(ratio) and ratio > 0, row
+    assert any(r.startswith("| local disk") for r in rows), text
