@@ -20,8 +20,10 @@ width); format-1 sizes are estimated from the number of entries times their size
 ``s3`` starts SeaweedFS (benchmarks/s3.py) and times writing one rank's share of Llama-7B
 (or ``--model``) state at 1,024 ranks, as format-1 objects (one PUT per chunk and per array
 document the rank owns, on 8 threads like the format-1 writer, plus its manifest) and as
-format 2 (``StepWriter.write``: its three rows and its manifest), alternating, each into a
-fresh bucket; median and range of ``--repeat`` rounds. ``--latency-ms`` adds rows where a
+format 2 (``StepWriter.write``: its three rows and its manifest), alternating, after an
+untimed warm-up round; median and range of ``--repeat`` rounds, and the CPU time this
+process (the client) and the server process used per write: on a shared 2-core machine
+wall times swing with outside load, CPU time much less. ``--latency-ms`` adds rows where a
 proxy process (tests/faults/_proxy.py) holds every request that long before passing it on,
 as the round trip to a network object store does. ``--fraction`` keeps that share of the
 tensors (object sizes and their mix unchanged).
@@ -307,16 +309,26 @@ class _LatencyProxy:
         self.proc.wait()
 
 
+def _cell(times: list[float], cpu: list[tuple[float, float]], objects: int) -> str:
+    client = statistics.median(x[0] for x in cpu)
+    weed = statistics.median(x[1] for x in cpu)
+    return (
+        f"{objects} objects: {statistics.median(times):.2f} s ({min(times):.2f}-"
+        f"{max(times):.2f}); CPU {client:.2f} s client + {weed:.2f} s server"
+    )
+
+
 def run_s3(model: str, fraction: float, repeat: int, latencies_ms: list[float]) -> str:
     """Rows of the s3 table: for each added per-request latency, format 1 vs format 2,
-    alternating, each write into a fresh bucket that already holds one object (SeaweedFS
-    grows a new bucket's volumes on its first write; that is not the format's cost)."""
+    alternating. Each format writes into a bucket of its own, every round under a new
+    prefix that is deleted afterwards (not timed); an untimed first round lets SeaweedFS
+    grow the bucket's volumes, which is the server's start-up cost, not the format's."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import s3fs
 
     from benchmarks.s3 import SeaweedFS, storage_options
 
-    server = SeaweedFS()
+    server = SeaweedFS(volume_size_mb=1024)
     rows = []
     try:
         world, rank = 1024, 1
@@ -326,36 +338,41 @@ def run_s3(model: str, fraction: float, repeat: int, latencies_ms: list[float]) 
         largest = max(n for _, n in v1_objects)
         buf = torch.ones(max(largest // 4 + 1, 1), dtype=torch.float32)
         view = memoryview(buf.view(torch.uint8).numpy())
+        buckets = {"v1": server.new_bucket(), "v2": server.new_bucket()}
         port = int(server.endpoint.rsplit(":", 1)[1])
         for latency in latencies_ms:
             proxy = _LatencyProxy(port, latency) if latency else None
             options = storage_options(proxy.endpoint if proxy else server.endpoint)
             fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
             times: dict[str, list[float]] = {"v1": [], "v2": []}
+            cpu: dict[str, list[tuple[float, float]]] = {"v1": [], "v2": []}
             try:
-                for i in range(repeat):
+                for i in range(repeat + 1):
                     for kind in ("v1", "v2") if i % 2 == 0 else ("v2", "v1"):
-                        bucket = server.new_bucket()
-                        fs.pipe_file(f"{bucket}/warm-up", b"x" * 4096)
-                        root = f"s3://{bucket}/ckpt"
-                        t0 = time.perf_counter()
+                        prefix = f"{buckets[kind]}/round-{latency:g}-{i}"
+                        s0, c0, t0 = server.cpu_s(), time.process_time(), time.perf_counter()
                         if kind == "v1":
-                            write_v1(f"{root}/step-00000001", options, v1_objects, view)
+                            write_v1(f"s3://{prefix}/step-00000001", options, v1_objects, view)
                         else:
-                            write_v2(root, options, specs, rank, world, buf)
-                        times[kind].append(time.perf_counter() - t0)
-                        print(f"s3 +{latency:g} ms round {i} {kind}: {times[kind][-1]:.2f} s",
-                              flush=True)  # fmt: skip
+                            write_v2(f"s3://{prefix}", options, specs, rank, world, buf)
+                        elapsed = time.perf_counter() - t0
+                        used = (time.process_time() - c0, server.cpu_s() - s0)
+                        fs.rm(prefix, recursive=True)
+                        if i:  # round 0 warms up
+                            times[kind].append(elapsed)
+                            cpu[kind].append(used)
+                        print(f"s3 +{latency:g} ms round {i} {kind}: {elapsed:.2f} s", flush=True)
             finally:
                 if proxy:
                     proxy.close()
             v1, v2 = statistics.median(times["v1"]), statistics.median(times["v2"])
+            total = {k: sum(statistics.median(x[j] for x in cpu[k]) for j in (0, 1)) for k in cpu}
             rows.append(
                 f"| SeaweedFS{f' + {latency:g} ms per request' if latency else ''}, "
                 f"{model} share of rank {rank} of {world} ({fraction:g} of the tensors, "
-                f"{nbytes / MIB:.1f} MiB) | {len(v1_objects)} objects: {v1:.2f} s "
-                f"({min(times['v1']):.2f}-{max(times['v1']):.2f}) | {len(STATES) + 1} objects: "
-                f"{v2:.2f} s ({min(times['v2']):.2f}-{max(times['v2']):.2f}) | {v1 / v2:.2f}x |"
+                f"{nbytes / MIB:.1f} MiB) | {_cell(times['v1'], cpu['v1'], len(v1_objects))} | "
+                f"{_cell(times['v2'], cpu['v2'], len(STATES) + 1)} | {v1 / v2:.2f}x | "
+                f"{total['v1'] / total['v2']:.2f}x |"
             )
     finally:
         server.close()
@@ -450,7 +467,8 @@ def main() -> None:
         row = run_s3(args.model, args.fraction, args.repeat, args.latency_ms)
         sections.append(
             f"### Writing one rank's share at 1,024 ranks (median of {args.repeat}, range)"
-            "\n\n| case | format 1 | format 2 | speed-up |\n|---|---:|---:|---:|\n" + row
+            "\n\n| case | format 1 | format 2 | wall time, 1 / 2 | CPU time, 1 / 2 |"
+            "\n|---|---:|---:|---:|---:|\n" + row
         )
     if args.what in ("disk", "all"):
         os.makedirs(args.dir, exist_ok=True)

