@@ -227,6 +227,9 @@ class Engine:
         # Names whose values no initialiser wrote (see [Note: unset state], stage3.py).
         self._unset: set[str] = set(self._strategy.unset)
         self._optimizer = self._build_optimizer()
+        # Building a torch optimizer has just imported a module that can pin the default
+        # process group for the life of the process ([Note: pinned default group]).
+        collectives.release_import_time_group_pins()
         for i, sp in enumerate(self._trainable):
             sp.param.register_post_accumulate_grad_hook(_GradReadyHook(self, i))
 
