@@ -172,6 +172,43 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def release_import_time_group_pins() -> None:
+    """Stop ``torch.distributed.nn.functional`` from holding the default process group.
+
+    [Note: pinned default group]
+    That module's collectives declare ``group=group.WORLD``: a default evaluated once, at
+    import. Imported before ``init_process_group`` the default is ``None`` (the default
+    group, looked up per call); imported after it, the functions hold the live default
+    group for the rest of the process. torch imports the module lazily on the first
+    optimizer construction (``Optimizer.add_param_group`` imports ``torch._dynamo``, which
+    reaches it through FSDP and sharded-tensor modules), and the engine builds its
+    optimizer after the group exists, so every training process pinned its default group.
+    ``dist.destroy_process_group()`` then only unregisters the group: a gloo group keeps
+    its worker threads until the interpreter exits, and a worker still releasing a
+    finished collective while the interpreter finalises needs the GIL, is ended by
+    Python's thread exit, and aborts the process ("terminate called without an active
+    exception"). Rebinding those defaults to ``None`` keeps their meaning (``None`` is
+    the default group) and lets the group be destroyed when it is destroyed.
+    """
+    if not dist.is_available():
+        return
+    import torch.distributed.nn.functional as functional  # loaded now, so nothing binds later
+
+    for fn in vars(functional).values():
+        if getattr(fn, "__module__", None) != functional.__name__ or not callable(fn):
+            continue
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+            )
+        kwdefaults = getattr(fn, "__kwdefaults__", None)
+        if kwdefaults:
+            for key, value in kwdefaults.items():
+                if isinstance(value, dist.ProcessGroup):
+                    kwdefaults[key] = None
+
+
 def barrier(*, group: Any) -> None:
     """Block until every rank of ``group`` arrives; a no-op without a process group."""
     if is_initialized():

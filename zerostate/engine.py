@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -103,6 +104,29 @@ def _model_aspects(model: nn.Module, config: EngineConfig | None) -> dict[str, A
         "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         "engine settings": config.summary() if config is not None else None,
     }
+
+
+class _GradReadyHook:
+    """Post-accumulate-grad hook of one trainable parameter; reaches its engine weakly.
+
+    torch's garbage collector does not look inside post-accumulate-grad hooks (they live
+    in the tensor's C++ autograd metadata), so a hook holding the engine would close the
+    cycle engine -> model -> parameter -> hook -> engine where no collector can see it.
+    Every engine would then live until interpreter shutdown, and with it its process
+    group, which ``destroy_process_group()`` could then not free: gloo's worker threads
+    would run on into interpreter shutdown.
+    """
+
+    __slots__ = ("_engine", "_index")
+
+    def __init__(self, engine: Engine, index: int) -> None:
+        self._engine = weakref.ref(engine)
+        self._index = index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        engine = self._engine()
+        if engine is not None:
+            engine._on_grad_ready(self._index)
 
 
 class Engine:
@@ -203,8 +227,11 @@ class Engine:
         # Names whose values no initialiser wrote (see [Note: unset state], stage3.py).
         self._unset: set[str] = set(self._strategy.unset)
         self._optimizer = self._build_optimizer()
-        for sp in self._trainable:
-            sp.param.register_post_accumulate_grad_hook(self._make_grad_hook(sp))
+        # Building a torch optimizer has just imported a module that can pin the default
+        # process group for the life of the process ([Note: pinned default group]).
+        collectives.release_import_time_group_pins()
+        for i, sp in enumerate(self._trainable):
+            sp.param.register_post_accumulate_grad_hook(_GradReadyHook(self, i))
 
     # -- construction helpers -------------------------------------------------------------
     @staticmethod
@@ -251,8 +278,6 @@ class Engine:
         # Which parameters received a gradient in this accumulation window, on this rank;
         # step() ORs it across ranks (see [Note: uniform stepping] in zerostate.optim).
         self._got_grad = [False] * len(self._trainable)
-        for i, sp in enumerate(self._trainable):
-            sp.param.register_post_accumulate_grad_hook(self._make_flag_hook(i))
         optimizer = ShardedOptimizer(
             self._trainable,
             self._resolved,
@@ -262,15 +287,9 @@ class Engine:
         self._resolved = None  # holds the user's optimizer; not needed any more
         return optimizer
 
-    def _make_flag_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            self._got_grad[index] = True
-
-        return hook
-
-    def _make_grad_hook(self, sp: ShardedParam):
-        strategy = self._strategy
-        return lambda param: strategy.on_grad_ready(sp)
+    def _on_grad_ready(self, index: int) -> None:
+        self._got_grad[index] = True
+        self._strategy.on_grad_ready(self._trainable[index])
 
     # -- training ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

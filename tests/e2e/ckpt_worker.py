@@ -5,6 +5,9 @@ so one launch serves several scenarios. A job trains the reference GPT-2 from st
 ``start`` to ``stop`` under a given stage, optionally loading a checkpoint first and saving
 one at the end, and rank 0 writes per-step losses and the final full state dict
 (safetensors, never pickle) under ``--out``.
+
+Each rank prints one line per phase to stderr; the harness shows stderr only when a run
+does not succeed, and then the last line of each rank says how far it got.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ LR = 1e-3
 # 1e-6, so the 1e-5 comparisons below test the engine, not float summation order.
 EPS = 1e-6
 WEIGHT_DECAY = 0.1
+_T0 = time.monotonic()
+
+
+def phase(what: str) -> None:
+    rank = os.environ.get("RANK", "?")
+    # One write per line (print writes the newline separately): ranks share the pipe.
+    sys.stderr.write(f"[ckpt_worker rank {rank} +{time.monotonic() - _T0:.1f}s] {what}\n")
+    sys.stderr.flush()
 
 
 def make_model(seed: int = 0) -> GPT2:
@@ -66,13 +77,16 @@ def make_engine(stage: int, precision: str = "fp32") -> zerostate.Engine:
 
 def run_job(job: dict, out: Path) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    name = job["name"]
     engine = make_engine(job["stage"], job.get("precision", "fp32"))
+    phase(f"{name}: engine built (stage {job['stage']})")
     opts = job.get("storage_options")
     start = 0
     if job.get("load"):
         state = engine.load(job["load"], storage_options=opts)
         start = int(state["next_step"])
         assert start == job["start"], (start, job["start"])
+        phase(f"{name}: loaded, next step {start}")
     losses = []
     for step in range(start, job["stop"]):
         idx, tgt = local_batch(step, rank, world_size)
@@ -82,6 +96,7 @@ def run_job(job: dict, out: Path) -> None:
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
         losses.append(reduced.item() / world_size)
+    phase(f"{name}: trained to step {job['stop']}")
     handles = []
     for save in job.get("saves", []):
         h = engine.save(
@@ -92,6 +107,7 @@ def run_job(job: dict, out: Path) -> None:
             storage_options=opts,
         )
         handles.append((save, h))
+        phase(f"{name}: save to {save['path']} issued")
         if save.get("kill_rank") == rank:
             os.kill(os.getpid(), signal.SIGKILL)
     # Keep training while any async save is in flight: its snapshot must not move.
@@ -105,14 +121,15 @@ def run_job(job: dict, out: Path) -> None:
         save["wait_s"] = time.perf_counter() - t0
         save["blocked_s"] = h.blocked_s
     engine.close()  # nothing in flight any more; a failed save would raise here
+    phase(f"{name}: saves done, engine closed")
     full = engine.full_state_dict()
     if rank == 0:
-        name = job["name"]
         save_file({k: v.contiguous() for k, v in full.items()}, str(out / f"{name}.safetensors"))
         (out / f"{name}.json").write_text(
             json.dumps({"losses": losses, "world_size": world_size, "saves": job.get("saves", [])})
         )
     dist.barrier()
+    phase(f"{name}: done")
 
 
 def main() -> int:
@@ -121,11 +138,14 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
+    phase("starting")
     dist.init_process_group("gloo")
+    phase("process group up")
     args.out.mkdir(parents=True, exist_ok=True)
     for raw in args.job:
         run_job(json.loads(raw), args.out)
     dist.destroy_process_group()
+    phase("process group destroyed; exiting")
     return 0
 
 

@@ -37,7 +37,7 @@ def torchrun(nproc: int, jobs: list[dict], out: Path, *, timeout: float = 300,
     if check and proc.returncode != 0:
         raise AssertionError(
             f"torchrun exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-            f"--- stderr\n{proc.stderr[-8000:]}"
+            f"--- stderr\n{proc.stderr[-12000:]}"
         )
     return proc
 
