@@ -202,6 +202,7 @@ class StoreConformance:
         monkeypatch.setattr(storage, "STREAM_THRESHOLD", 6 << 20)
         monkeypatch.setattr(storage, "STREAM_BLOCK", 5 << 20)  # S3's smallest part size
         monkeypatch.setattr(storage, "MULTIPART_PART_NBYTES", 5 << 20)
+        monkeypatch.setattr(storage, "SINGLE_PUT_NBYTES", 5 << 20)
         streamed, parts = [], []
         original = fsspec.spec.AbstractFileSystem.open
 
