@@ -37,6 +37,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_script(template: str, *, timeout: float = 120, **fields: Any):
+    """Run ``template`` (dedented, ``str.format``-ed with ``fields`` plus ``tests``,
+    ``engine_tests`` and a free ``port``) in a fresh Python process; the finished
+    ``subprocess.CompletedProcess`` with text output. For what only a whole process shows:
+    interpreter exit, finalisers, process-group teardown."""
+    import subprocess
+    import textwrap
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = textwrap.dedent(template).format(
+        tests=str(tests), engine_tests=str(tests / "engine"), port=free_port(), **fields
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
+    )
+
+
 def _worker(
     fn: Callable,
     rank: int,

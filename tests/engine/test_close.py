@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 from common import batch, make_engine, make_model
 from simgroup import run_sim
 
 from zerostate import checkpoint
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 class _Broken(OSError):
@@ -90,20 +83,9 @@ print("still running", flush=True)
 
 @pytest.mark.slow
 def test_finaliser_reports_an_unfinished_save_without_ending_the_process(tmp_path) -> None:
-    from helpers_dist import free_port
+    from helpers_dist import run_script
 
-    script = SCRIPT.format(
-        tests=str(REPO / "tests"),
-        engine_tests=str(REPO / "tests" / "engine"),
-        port=free_port(),
-        path=str(tmp_path / "ckpt"),
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(SCRIPT, path=str(tmp_path / "ckpt"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "still running" in proc.stdout
     assert "background checkpoint save" in proc.stderr and "disk on fire" in proc.stderr

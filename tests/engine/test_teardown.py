@@ -8,17 +8,12 @@ the process (see [Note: pinned default group] in zerostate.collectives).
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
-import textwrap
 import weakref
 from pathlib import Path
 
 import pytest
 from common import batch, make_engine, make_model
 from simgroup import run_sim
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -70,20 +65,8 @@ print("groups alive:", sum(g() is not None for g in groups), "threads left:", th
     ids=["default-group", "explicit-group", "optimizer-built-first"],
 )
 def test_destroy_process_group_frees_the_group_and_its_threads(explicit, user_optimizer) -> None:
-    from helpers_dist import free_port
+    from helpers_dist import run_script
 
-    script = SCRIPT.format(
-        tests=str(REPO / "tests"),
-        engine_tests=str(REPO / "tests" / "engine"),
-        port=free_port(),
-        explicit=explicit,
-        user_optimizer=user_optimizer,
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(SCRIPT, explicit=explicit, user_optimizer=user_optimizer)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "groups alive: 0 threads left: 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
