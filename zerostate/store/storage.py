@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import select
 import shutil
 import threading
 import time
@@ -87,6 +88,48 @@ MULTIPART_THREADS = 4
 _OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
 #: Spellings of one backend that address the same objects.
 _PROTOCOL_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "abfss": "abfs", "az": "abfs"}
+
+
+# [Note: event loops across fork]
+# fsspec runs every S3 request on one event loop thread. A forked child (a DataLoader
+# worker, a crash-test child) inherits that loop's epoll descriptor, and an epoll instance
+# is shared across fork: when the child drops the parent's s3fs filesystem (fsspec clears
+# its instance cache in a new process), the filesystem's finaliser closes the parent's
+# pooled connections through the inherited loop, and each close unregisters a socket from
+# the epoll instance the parent still waits on. The parent's next request on such a
+# connection then never sees its answer and hangs. So the child gets a private epoll for
+# the inherited loop's selector before anything can run there; closing the copy leaves
+# the parent's instance untouched. (kqueue, on macOS, is not inherited.)
+_loop_at_fork: list[Any] = [None]
+
+
+def _note_loop_before_fork() -> None:
+    asyn = getattr(fsspec, "asyn", None)
+    _loop_at_fork[0] = asyn.loop[0] if asyn is not None else None
+
+
+def _forget_loop_after_fork() -> None:
+    _loop_at_fork[0] = None
+
+
+def _detach_inherited_loop() -> None:
+    loop, _loop_at_fork[0] = _loop_at_fork[0], None
+    selector = getattr(loop, "_selector", None)
+    inherited = getattr(selector, "_selector", None)
+    if hasattr(select, "epoll") and isinstance(inherited, select.epoll):
+        try:
+            selector._selector = select.epoll()
+            inherited.close()
+        except OSError:  # out of descriptors: the child keeps the shared instance
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_note_loop_before_fork,
+        after_in_parent=_forget_loop_after_fork,
+        after_in_child=_detach_inherited_loop,
+    )
 
 
 class Storage(ABC):
