@@ -76,16 +76,26 @@ def replicated_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_buffers()) + frozen
 
 
-def non_persistent_buffers(model: nn.Module) -> list[str]:
-    """Canonical names of the buffers ``model.state_dict()`` leaves out (registered with
-    ``persistent=False``, e.g. rotary ``inv_freq``). Checkpoints keep them, so a resume
-    restores them exactly; a consolidated export leaves them out, as ``state_dict`` does."""
-    names = []
+def buffers_with_persistence(model: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(name, buffer, persistent)`` of every buffer, names as the module has them (the
+    first name of a shared buffer). ``persistent=False`` buffers (a rotary ``inv_freq``)
+    are the ones ``model.state_dict()`` leaves out."""
+    out: dict[str, tuple[str, torch.Tensor, bool]] = {}
     for prefix, module in model.named_modules():
-        for n in module._non_persistent_buffers_set:
-            if module._buffers.get(n) is not None:
-                names.append(canonical_name(f"{prefix}.{n}" if prefix else n))
-    return sorted(set(names))
+        skip = module._non_persistent_buffers_set
+        for n, b in module._buffers.items():
+            if b is not None:
+                name = f"{prefix}.{n}" if prefix else n
+                out.setdefault(name, (name, b, n not in skip))
+    return list(out.values())
+
+
+def non_persistent_buffers(model: nn.Module) -> list[str]:
+    """Canonical names of the buffers ``model.state_dict()`` leaves out. Checkpoints keep
+    them, so a resume restores them exactly; a consolidated export leaves them out, as
+    ``state_dict`` does."""
+    buffers = buffers_with_persistence(model)
+    return sorted({canonical_name(n) for n, _, persistent in buffers if not persistent})
 
 
 def check_compile(model: nn.Module, stage: int) -> None:

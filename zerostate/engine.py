@@ -268,6 +268,7 @@ class Engine:
                     module._buffers[n] = b.contiguous()
         state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
         self._buffer_names = [n for n, _ in state]
+        self._non_persistent = adapt.non_persistent_buffers(self.module)
         self._buffer_layouts = [
             TensorLayout(b.numel(), self.world_size, max(1, b.numel()), 0) for _, b in state
         ]
@@ -423,7 +424,7 @@ class Engine:
             "config": self.config.summary(),
             "tied": dict(self.tied),
             "frozen": [sp.name for sp in self._params if not sp.trainable],
-            "non_persistent_buffers": adapt.non_persistent_buffers(self.module),
+            "non_persistent_buffers": list(self._non_persistent),
             "optimizer": self._optimizer.metadata(),
         }
 

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zerostate import collectives
+from zerostate import adapt, collectives
 from zerostate.errors import DistributedMismatchError, PretrainedMismatchError, ZerostateError
 from zerostate.safetensors_io import SafetensorsSource, TensorEntry
 
@@ -70,16 +70,6 @@ class _Target(NamedTuple):
     start: int
 
 
-def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for prefix, module in model.named_modules():
-        skip = module._non_persistent_buffers_set
-        for n, b in module._buffers.items():
-            if b is not None and n not in skip:
-                out.setdefault(f"{prefix}.{n}" if prefix else n, b)
-    return out
-
-
 def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], PretrainedReport]:
     aliases: dict[str, list[str]] = {}
     for alias, canonical in engine.tied.items():
@@ -108,7 +98,9 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
             start = getattr(sp, "master_start", 0 if engine.stage == 0 else sp.start)
             assert start + sp.master.numel() <= sp.numel, (sp.name, start)
             targets.append(_Target(sp.name, entry, sp.master, start))
-    for name, buf in _persistent_buffers(engine.module).items():
+    for name, buf, persistent in adapt.buffers_with_persistence(engine.module):
+        if not persistent:
+            continue
         entry = match([name], tuple(buf.shape))
         if entry is not None:
             targets.append(_Target(name, entry, buf.view(-1), 0))

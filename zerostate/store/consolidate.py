@@ -183,11 +183,16 @@ def export_entries(
     return entries
 
 
+def _engine_attrs(attrs: dict) -> dict:
+    """The engine's part of a step's attrs; ``{}`` for steps not written by the engine."""
+    engine = attrs.get("engine")
+    return engine if isinstance(engine, dict) else {}
+
+
 def non_persistent_names(attrs: dict) -> frozenset[str]:
     """Buffers the engine recorded as non-persistent (``state_dict`` leaves them out, so
     an export does too); checked, since the list comes from storage."""
-    engine = attrs.get("engine")
-    names = engine.get("non_persistent_buffers", []) if isinstance(engine, dict) else []
+    names = _engine_attrs(attrs).get("non_persistent_buffers", [])
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CorruptCheckpointError(
             f"engine attrs: non_persistent_buffers must be a list of names, got {names!r:.200}"
@@ -288,8 +293,7 @@ def consolidate(
     if progress is not None and not entries:
         progress(0, 0)
 
-    engine = st.attrs.get("engine")
-    tied = (engine.get("tied") if isinstance(engine, dict) else None) or {}
+    tied = _engine_attrs(st.attrs).get("tied") or {}
     return ConsolidateResult(
         step=st.step,
         files=targets,
