@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from _store_helpers import (
     raw_bytes,
 )
 
-from zerostate.errors import CheckpointNotFoundError, CommitTimeoutError
+from zerostate.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
 from zerostate.partition import plan_layouts
 from zerostate.store import StepWriter, open_checkpoint, remove_partial_steps
 
@@ -126,3 +128,41 @@ def test_rank_killed_mid_save(tmp_path):
     assert remove_partial_steps(str(root)) == [2]
     assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
     assert open_checkpoint(str(root)).step(1).step == 1
+
+
+@pytest.mark.parametrize("waiting_rank", [0, 1])
+def test_step_removed_during_the_wait_fails_the_waiter_at_once(tmp_path, waiting_rank):
+    """A cleanup that deletes the step while a rank waits for the commit (rank 0 for the
+    manifests, another rank for the commit record) ends the wait with a clear error, not
+    at the commit timeout."""
+    root = tmp_path / "ckpt"
+    tensors = make_tensors(seed=1)
+    specs = make_specs(tensors, 3)
+    manifest = root / f"step-00000001/_zerostate/manifests/rank-{waiting_rank:05d}/zarr.json"
+    writer = StepWriter(str(root), 1, rank=waiting_rank, world_size=3, specs=specs, timeout_s=60)
+    writer.write(owned_shards(tensors, specs, waiting_rank))
+    outcome: dict[str, object] = {}
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        try:
+            writer.commit()
+        except Exception as exc:  # the test inspects it
+            outcome["error"] = exc
+        outcome["elapsed"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not manifest.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manifest.exists(), "the waiting rank never wrote its manifest"
+    time.sleep(0.3)  # let it poll at least once with the step in place
+    assert remove_partial_steps(str(root)) == [1]
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, CheckpointError), error
+    assert "removed" in str(error) and f"rank {waiting_rank}" in str(error), error
+    assert outcome["elapsed"] < 15, outcome  # the commit timeout is 60 s
+    assert open_checkpoint(str(root)).steps() == []

@@ -365,6 +365,8 @@ class StepWriter:
             if len(manifests) == self.world_size:
                 break
             self._raise_if_aborted()
+            if f"rank-{self.rank:05d}" not in listed:
+                self._raise_if_removed()
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in manifests]
                 raise CommitTimeoutError(
@@ -491,6 +493,17 @@ class StepWriter:
                 f"({str(note.get('error'))[:500]}); nothing was committed"
             )
 
+    def _raise_if_removed(self) -> None:
+        """Raise if this rank's manifest, written before it began to wait, is gone: the
+        step was deleted under the save (``remove_partial_steps`` run too early, a retention
+        job), so no commit can come and waiting for the timeout would only hide that."""
+        if not self._storage.exists(self._path(fmt.manifest_path(self.rank))):
+            raise CheckpointError(
+                f"step {self.step} at {self.url}: the step was removed while rank {self.rank} "
+                "waited for the commit (remove_partial_steps or another cleanup ran during "
+                "the save); nothing was committed"
+            )
+
     def _wait_for_commit(self, deadline: float) -> None:
         delay = 0.01
         path = self._path(fmt.COMMIT_PATH)
@@ -501,6 +514,7 @@ class StepWriter:
                 if self._save_id is None or record.get("save_id") == self._save_id:
                     return
             self._raise_if_aborted()
+            self._raise_if_removed()
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(
                     f"step {self.step} at {self.url}: rank {self.rank} waited "
