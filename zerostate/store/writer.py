@@ -506,15 +506,24 @@ class StepWriter:
 
     def _wait_for_commit(self, deadline: float) -> None:
         delay = 0.01
-        path = self._path(fmt.COMMIT_PATH)
+        commit_path = self._path(fmt.COMMIT_PATH)
         while True:
-            if self._storage.exists(path):
-                raw = self._storage.read(path)
-                record = fmt.parse_document(raw, "zerostate_commit", f"commit record of {self.url}")
-                if self._save_id is None or record.get("save_id") == self._save_id:
-                    return
-            self._raise_if_aborted()
-            self._raise_if_removed()
+            # One listing a poll says whether the step is committed, aborted or gone.
+            present = set(self._storage.list_dir(self._path(fmt.META_DIR)))
+            if _meta_entry(fmt.COMMIT_PATH) in present:
+                try:
+                    raw = self._storage.read(commit_path)
+                except FileNotFoundError:
+                    raw = None  # its directory is made, the record not yet written
+                if raw is not None:
+                    where = f"commit record of {self.url}"
+                    record = fmt.parse_document(raw, "zerostate_commit", where)
+                    if self._save_id is None or record.get("save_id") == self._save_id:
+                        return
+            if _meta_entry(fmt.ABORT_DIR) in present:
+                self._raise_if_aborted()
+            if _meta_entry(fmt.MANIFEST_DIR) not in present:
+                self._raise_if_removed()
             if time.monotonic() > deadline:
                 raise CommitTimeoutError(
                     f"step {self.step} at {self.url}: rank {self.rank} waited "
@@ -523,6 +532,11 @@ class StepWriter:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
+
+
+def _meta_entry(path: str) -> str:
+    """The entry of ``fmt.META_DIR`` that ``path`` (a path under it) lies in."""
+    return path[len(fmt.META_DIR) + 1 :].split("/", 1)[0]
 
 
 def _abort_rank(entry: str, world_size: int) -> int | None:
