@@ -221,14 +221,20 @@ def _digest(obj: Any) -> int:
 
 
 def exchange(
-    row: list[int], *, group: Any, world_size: int, device: torch.device
+    row: list[int],
+    *,
+    group: Any,
+    world_size: int,
+    device: torch.device,
+    stats: CommStats | None = None,
 ) -> list[list[int]]:
-    """All-gather one short row of integers per rank (control traffic: not counted)."""
+    """All-gather one short row of integers per rank (control traffic: counted only when
+    it recurs every step, with ``stats``)."""
     if not is_initialized():
         return [list(row)]
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     rows = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
-    all_gather(rows, mine, group=group, stats=None)
+    all_gather(rows, mine, group=group, stats=stats)
     return rows.view(world_size, len(row)).tolist()
 
 

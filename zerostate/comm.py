@@ -7,15 +7,19 @@ oldest is completed first, which bounds buffer memory), and completing a launch
 accumulates or unpacks its result and returns the buffers to the pool.
 
 * :func:`reduce_scatter_grads`: full gradients -> this rank's fp32 gradient shard (summed
-  into it across micro-steps). Stages 1 and 2 (buckets) and 3 (units).
+  into it across micro-steps). Stages 2 and 3.
+* :func:`reduce_scatter_in_place`: a locally accumulated rank-segmented buffer -> this
+  rank's segment of it. Stage 1.
 * :func:`all_reduce_flat`: a full flat gradient buffer, summed in place. Stage 0.
 * :func:`start_all_gather` / :class:`PendingOp` ``complete()``: owned slices -> full
   tensors. Stages 1-2 after the step, stage 3 per unit, and exports / loads.
 
 [Note: reduce precision]
 Gradients are communicated in ``CommContext.reduce_dtype`` (``EngineConfig.reduce_dtype``,
-fp32 by default) and accumulated over micro-steps in fp32 shards, whatever the working
-dtype; the engine divides the fp32 sums once at the step. When the reduce dtype is fp16,
+fp32 by default) and accumulated over micro-steps in buffers of that dtype: fp32 whatever
+the working dtype by default; with a 16-bit reduce dtype the gradient shards are 16-bit
+too, the 2 bytes per element the ZeRO paper counts. The engine divides the sums once, in
+fp32, at the step. When the reduce dtype is fp16,
 inputs are pre-divided by ``predivide`` (a power of two near ``sqrt(world_size)``, so the
 division is exact) against overflow, and the result is multiplied back in fp32.
 """
@@ -158,18 +162,21 @@ def reduce_scatter_grads(
     *,
     accumulate: bool,
 ) -> None:
-    """Sum full flat ``grads`` (``None``: zeros) over ranks into this rank's fp32 ``shard``
+    """Sum full flat ``grads`` (``None``: zeros) over ranks into this rank's ``shard``
     (``layout.seg_numel`` elements; ``accumulate`` adds to it, else overwrites it).
 
     Launches asynchronously; the shard is final once ``inflight`` completed the launch.
-    See [Note: reduce precision].
+    An fp32 shard receives the true sum; a shard in the (16-bit) reduce dtype keeps the
+    pre-divided sum, which the reader multiplies by ``ctx.predivide`` in fp32. See
+    [Note: reduce precision].
     """
     inflight.make_room()
     source = ctx.pool.acquire(layout.numel, ctx.reduce_dtype)
     layout.pack(source.tensor, grads)
     if ctx.predivide != 1.0:
         source.tensor.div_(ctx.predivide)
-    direct = not accumulate and ctx.predivide == 1.0 and shard.dtype == ctx.reduce_dtype
+    scale = ctx.predivide if shard.dtype == torch.float32 else 1.0
+    direct = not accumulate and scale == 1.0 and shard.dtype == ctx.reduce_dtype
     result = None if direct else ctx.pool.acquire(layout.seg_numel, ctx.reduce_dtype)
     out = shard if result is None else result.tensor
     handle = collectives.reduce_scatter(
@@ -178,15 +185,33 @@ def reduce_scatter_grads(
 
     def done() -> None:
         if result is not None:
-            # Both run in fp32 (the shard's dtype): multiplying back in fp16 would overflow.
+            # In the shard's dtype: multiplying back in fp16 would overflow.
             if accumulate:
-                shard.add_(result.tensor, alpha=ctx.predivide)
+                shard.add_(result.tensor, alpha=scale)
             else:
-                shard.copy_(result.tensor).mul_(ctx.predivide)
+                shard.copy_(result.tensor).mul_(scale)
             ctx.pool.release(result)
         ctx.pool.release(source)
 
     inflight.add(PendingOp(handle, done))
+
+
+def reduce_scatter_in_place(
+    ctx: CommContext, inflight: InFlight, layout: FlatLayout, buffer: torch.Tensor
+) -> None:
+    """Sum a rank-segmented buffer over ranks into this rank's own segment of it.
+
+    The other segments are left undefined. With an fp16 reduce dtype the inputs are
+    pre-divided and the segment is *not* multiplied back (that would overflow in fp16): the
+    caller multiplies by ``ctx.predivide`` once it has the values in fp32.
+    """
+    inflight.make_room()
+    if ctx.predivide != 1.0:
+        buffer.div_(ctx.predivide)
+    handle = collectives.reduce_scatter(
+        layout.segment(buffer), buffer, group=ctx.group, stats=ctx.stats, async_op=True
+    )
+    inflight.add(PendingOp(handle, None))
 
 
 def all_reduce_flat(ctx: CommContext, inflight: InFlight, flat: torch.Tensor) -> None:
@@ -207,16 +232,20 @@ def start_all_gather(
     *,
     dtype: torch.dtype,
     counted: bool = True,
+    before_launch: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[PendingOp, PooledBuffer]:
     """Launch the all-gather that rebuilds full tensors from every rank's ``shards``.
 
     ``shards[i]`` is this rank's owned slice of ``layout.params[i]``. With ``targets``
     (full flat tensors) completing the op unpacks into them and returns the buffer to the
     pool; without, the caller unpacks the returned buffer itself and releases it.
+    ``before_launch(buffer)`` runs once this rank's segment is packed (to write tags).
     """
     buffer = ctx.pool.acquire(layout.numel, dtype)
     segment = layout.segment(buffer.tensor)
     torch._foreach_copy_(layout.shard_views(segment), list(shards))
+    if before_launch is not None:
+        before_launch(buffer.tensor)
     handle = collectives.all_gather(
         buffer.tensor,
         segment,

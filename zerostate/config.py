@@ -92,6 +92,13 @@ class EngineConfig:
     gathered together. Default: every child of an ``nn.ModuleList`` (a transformer's
     blocks; other parameters join the always-gathered root unit), or, in a model without a
     ModuleList, every module that directly owns parameters."""
+    leaf_modules: tuple | list | None = None
+    """Stage 3: modules gathered whole, as one group, when they are entered: module names
+    (``"heads"``), class names (``"SwitchTransformersSparseMLP"``) or classes. Name the
+    parent of modules that run on some ranks only (heads chosen per sample, a block skipped
+    on some ranks). Mixture-of-experts blocks keeping one module per expert
+    (``experts = nn.ModuleList(...)`` or an ``nn.ModuleDict``) need no entry: they are
+    gathered whole by default (docs/engine.md, "Stage 3 groups")."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit while the current one computes."""
     sync_module_states: bool = True
@@ -147,6 +154,15 @@ class EngineConfig:
                 "ranks; remove the setting",
                 stacklevel=3,
             )
+        if self.leaf_modules is not None:
+            if isinstance(self.leaf_modules, (str, type)) or not all(
+                isinstance(e, (str, type)) for e in self.leaf_modules
+            ):
+                raise ConfigError(
+                    f"leaf_modules={self.leaf_modules!r} must be a list of module names, class "
+                    "names or classes, e.g. leaf_modules=['heads']"
+                )
+            self.leaf_modules = tuple(self.leaf_modules)
         for name in ("no_decay", "init_fn", "unit_policy"):
             value = getattr(self, name)
             if value is not None and not callable(value):
@@ -172,9 +188,11 @@ class EngineConfig:
                 torch.device(self.device)
             except (RuntimeError, TypeError) as exc:
                 raise ConfigError(f"device={self.device!r} is not a torch device: {exc}") from None
-        if self.stage != 3 and (self.unit_policy is not None or self.init_fn is not None):
+        if self.stage != 3 and (
+            self.unit_policy is not None or self.init_fn is not None or self.leaf_modules
+        ):
             warnings.warn(
-                "unit_policy and init_fn only affect stage 3; they are ignored at "
+                "unit_policy, leaf_modules and init_fn only affect stage 3; they are ignored at "
                 f"stage {self.stage}",
                 stacklevel=3,
             )
@@ -204,6 +222,9 @@ class EngineConfig:
             "loss_scale_window": self.loss_scale_window,
             "min_loss_scale": self.min_loss_scale,
             "prefetch": self.prefetch,
+            "leaf_modules": [
+                e if isinstance(e, str) else e.__qualname__ for e in self.leaf_modules or ()
+            ],  # fmt: skip
             "sync_module_states": self.sync_module_states,
             "cast_forward_inputs": self.cast_forward_inputs,
         }

@@ -1,9 +1,9 @@
 """The training engine: sequences forward, backward, the partitioned step and state access.
 
-State lives elsewhere (``ShardedParam`` per parameter; the stage's
-:class:`~zerostate.strategies.Strategy`, which owns buckets or stage-3 units and does all
-communication through :mod:`zerostate.comm`); this module only orchestrates and never
-looks at the stage beyond choosing the strategy.
+State lives elsewhere (``ShardedParam`` per parameter; the parameter groups of
+:mod:`zerostate.runtime`, which own buckets or stage-3 units and do all communication
+through :mod:`zerostate.comm`); this module only orchestrates and never looks at the
+stage beyond handing it to the runtime.
 
 One optimizer step (``K = grad_accum_steps``):
 
@@ -40,8 +40,8 @@ from zerostate.optim import ShardedOptimizer, describe, resolve_user_optimizers,
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
+from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
-from zerostate.strategies import make_strategy
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -219,13 +219,13 @@ class Engine:
                 states = [p.data for _, p in named] + [b for _, b in adapt.replicated_state(model)]
                 collectives.broadcast_from_first([t for t in states if t.numel()], group=group)
 
-        self._strategy = make_strategy(
-            self.stage, self._ctx, self._params, bucket_numel=self._bucket_numel, config=config
+        self._runtime = GroupRuntime(
+            self._ctx, self._params, stage=self.stage, bucket_numel=self._bucket_numel
         )
-        self._strategy.setup(model, config)
-        self._trainable = self._strategy.trainable
-        # Names whose values no initialiser wrote (see [Note: unset state], stage3.py).
-        self._unset: set[str] = set(self._strategy.unset)
+        self._runtime.setup(model, config)
+        self._trainable = self._runtime.trainable
+        # Names whose values no initialiser wrote ([Note: unset state], runtime/init.py).
+        self._unset: set[str] = set(self._runtime.unset)
         self._optimizer = self._build_optimizer()
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
@@ -283,24 +283,24 @@ class Engine:
             self._trainable,
             self._resolved,
             adamw=dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
-            gather=self._strategy.gather_full,
+            gather=self._runtime.gather_full,
         )
         self._resolved = None  # holds the user's optimizer; not needed any more
         return optimizer
 
     def _on_grad_ready(self, index: int) -> None:
         self._got_grad[index] = True
-        self._strategy.on_grad_ready(self._trainable[index])
+        self._runtime.on_grad_ready(index)
 
     # -- training ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._unset:
             self._refuse_unset()
-        self._strategy.pre_forward()
+        self._runtime.pre_forward()
         cast = self.dtype if self.config.cast_forward_inputs else None
         args, kwargs = adapt.cast_inputs(args, kwargs, cast)
         out = self.module(*args, **kwargs)
-        self._strategy.post_forward()
+        self._runtime.post_forward()
         return out
 
     forward = __call__
@@ -330,11 +330,11 @@ class Engine:
                 f"backward() called {self._micro_step + 1} times without step(); call "
                 f"step() after every backward() (it steps every grad_accum_steps={accum})"
             )
-        self._strategy.prepare(boundary=self._micro_step + 1 == accum)
+        self._runtime.prepare(boundary=self._micro_step + 1 == accum)
         if self._scaler.enabled:
             loss = loss.float() * self._scaler.scale
         loss.backward()
-        self._strategy.finish_backward()
+        self._runtime.finish_backward()
         self._micro_step += 1
 
     def step(self) -> bool:
@@ -345,7 +345,7 @@ class Engine:
             )
         if self._micro_step < self.config.grad_accum_steps:
             return False
-        grads = [g if g.dtype == torch.float32 else g.float() for g in self._strategy.step_grads()]
+        grads = [g if g.dtype == torch.float32 else g.float() for g in self._runtime.step_grads()]
         divisor = self.world_size * self.config.grad_accum_steps * self._scaler.scale
         torch._foreach_mul_(grads, 1.0 / divisor)
         # One all-reduce gives the global squared norm and, per parameter, how many ranks
@@ -353,7 +353,7 @@ class Engine:
         squares = sum_of_squares(grads)
         flags = torch.tensor(self._got_grad, dtype=torch.float32, device=squares.device)
         folded = torch.cat([squares, flags])
-        self._strategy.reduce_norm_and_flags(folded)
+        self._runtime.reduce_norm_and_flags(folded)
         norm = folded[:1].sqrt()
         stepped = (folded[1:] > 0).tolist()
         self._got_grad = [False] * len(self._trainable)
@@ -366,9 +366,9 @@ class Engine:
             if self._checkpointer is not None:
                 self._checkpointer.before_update()  # an async save may still be reading
             self._optimizer.step(grads, stepped)
-            self._strategy.refresh()
+            self._runtime.refresh()
         self._scaler.update(overflow)
-        self._strategy.zero()
+        self._runtime.zero()
         self._micro_step = 0
         self._stats.end_step()
         return not overflow
@@ -475,7 +475,7 @@ class Engine:
 
     def refresh_from_masters(self) -> None:
         """Rebuild working parameters from the masters (after they were overwritten)."""
-        self._strategy.refresh(self._params)
+        self._runtime.refresh(self._params)
 
     # ------------------------------------------------------------- checkpoints
     def _ckpt(self) -> Any:
@@ -583,18 +583,42 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters (canonical names) and buffers; collective."""
-        full = self._strategy.full_masters(self._params)
+        full = self._runtime.full_masters(self._params)
         out = {sp.name: t.view(sp.shape) for sp, t in zip(self._params, full, strict=True)}
         for name, buf in self._named_buffers():
             out[name] = buf.detach().clone()
         return out
 
+    def gathered(
+        self,
+        modules: Any = None,
+        *,
+        rank0_only: bool = False,
+        writeback: bool = False,
+    ) -> Any:
+        """Context manager: full working parameters for code that runs the model outside
+        the training step (``generate``, evaluation, ``save_pretrained``); collective.
+
+        At stage 3 the parameters of ``modules`` (default: the whole model) are gathered
+        on entry and released on exit; ``rank0_only`` releases them on the other ranks at
+        once (rank 0 saves alone); ``writeback`` copies edits made inside the block into the
+        shards and fp32 masters on exit. At stages 0-2 the parameters are already whole and
+        only ``writeback`` does something. Inside the block the wrapped module is called
+        directly (``engine.module(...)``); do not train inside it.
+        """
+        if isinstance(modules, nn.Module):
+            modules = [modules]
+        return self._runtime.gathered(modules, rank0_only=rank0_only, writeback=writeback)
+
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now, by kind.
 
         ``model_states`` (params + grads + master + optim_states) is the quantity of the
-        ZeRO paper; ``buffers_in_flight`` (pooled communication buffers and, at stage 3,
-        gathered parameters) is reported beside it; ``total`` is their sum. Storage shared
+        ZeRO paper. Beside it, every working buffer by name: ``gathered_params`` (stage 3:
+        storage of the units gathered right now, at most the one computing and the one
+        prefetched), ``comm_buffers`` (the pooled pack / gather buffers of the collectives
+        in flight, at most two per kind, reused every step); ``buffers_in_flight`` is their
+        sum and ``total`` adds it to ``model_states``. Storage shared
         by the master and the working copy (fp32) is counted once, as params. ``grads``
         counts what the reduce precision costs (docs/engine.md, "Precision"): fp32
         gradient shards at stages 1-3, and at stages 0-1 an fp32 flat accumulation buffer
@@ -604,20 +628,23 @@ class Engine:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        held = self._strategy.bytes_held()
+        held = self._runtime.bytes_held()
         params, grads = held["params"], held["grads"]
         master = sum(nbytes(sp.master) for sp in self._params if not sp.master_aliased)
         optim = self._optimizer.state_bytes()
-        in_flight = held["in_flight"] + self._pool.allocated_bytes
+        gathered = held["gathered_params"]
+        comm = self._pool.allocated_bytes
         model_states = params + grads + master + optim
         return {
             "params": params,
             "grads": grads,
             "master": master,
             "optim_states": optim,
-            "buffers_in_flight": in_flight,
             "model_states": model_states,
-            "total": model_states + in_flight,
+            "gathered_params": gathered,
+            "comm_buffers": comm,
+            "buffers_in_flight": gathered + comm,
+            "total": model_states + gathered + comm,
         }
 
     def comm_stats(self) -> dict[str, dict[str, int]]:

@@ -41,15 +41,17 @@ class ShardedParam:
     """One parameter's state on this rank.
 
     ``master`` (fp32) covers ``[master_start, master_start + master.numel())`` of the flat
-    parameter: the owned range for stages >= 1, the whole tensor at stage 0. When the
-    working dtype is fp32 it is a view of the working storage (param or stage-3 shard), not
-    a copy. ``local`` is the stage-3 working-dtype shard of the owned range.
+    parameter: the owned range when optimizer states are partitioned, the whole tensor at
+    stage 0. ``shard`` is the working-dtype owned range ``[start, stop)``: a view of the full
+    parameter when parameters are replicated, the only storage of the values when they are
+    partitioned (see [Note: partitioned parameters] in zerostate.runtime.group). When the
+    working dtype is fp32 the master is a view of the working storage, not a copy
+    (``master_aliased``).
     """
 
     __slots__ = (
         "name", "param", "shape", "numel", "layout", "start", "stop", "trainable",
-        "no_decay", "master", "master_aliased", "exp_avg", "exp_avg_sq", "local",
-        "grad_shard", "unit", "master_start",
+        "no_decay", "master", "master_aliased", "master_start", "shard",
     )  # fmt: skip
 
     def __init__(
@@ -65,12 +67,8 @@ class ShardedParam:
         self.no_decay = no_decay
         self.master: torch.Tensor | None = None
         self.master_aliased = False
-        self.exp_avg: torch.Tensor | None = None
-        self.exp_avg_sq: torch.Tensor | None = None
-        self.local: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
-        self.unit = None  # stage 3: the gathering unit this parameter belongs to
-        self.master_start = self.start  # the stage-0 strategy sets 0 (full masters)
+        self.master_start = self.start
+        self.shard: torch.Tensor | None = None
 
     @property
     def owned_numel(self) -> int:
@@ -84,7 +82,9 @@ class FlatLayout:
     :class:`~zerostate.comm.BufferPool` (or are owned by the caller) and are passed in.
     """
 
-    def __init__(self, params: Sequence[ShardedParam], world_size: int, rank: int) -> None:
+    def __init__(
+        self, params: Sequence[ShardedParam], world_size: int, rank: int, *, num_tags: int = 0
+    ) -> None:
         self.params = list(params)
         self.world_size = world_size
         self.rank = rank
@@ -94,7 +94,11 @@ class FlatLayout:
         for c in self.chunks:
             self.offsets.append(offset)
             offset += c
-        self.seg_numel = max(1, offset)
+        #: Elements at the end of every segment that carry a tag instead of values
+        #: ([Note: group tags] in zerostate.runtime.group).
+        self.num_tags = num_tags
+        self.tag_offset = offset
+        self.seg_numel = max(1, offset + num_tags)
         self.numel = self.seg_numel * world_size
 
     def segment(self, buffer: torch.Tensor) -> torch.Tensor:
@@ -133,6 +137,21 @@ class FlatLayout:
         if dst:
             torch._foreach_copy_(dst, src)
 
+    def add_param(self, buffer: torch.Tensor, index: int, source: torch.Tensor) -> None:
+        """Add the full flat tensor of parameter ``index`` into its block of ``buffer``."""
+        c, p, off = self.chunks[index], self.params[index], self.offsets[index]
+        block = buffer[: self.numel].view(self.world_size, self.seg_numel)[:, off : off + c]
+        rows, rest = divmod(p.numel, c)
+        if rows:
+            block[:rows].add_(source[: rows * c].view(rows, c))
+        if rest:
+            block[rows, :rest].add_(source[rows * c :])
+
+    def tags(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``[world_size, num_tags]`` view of every segment's tag elements."""
+        matrix = buffer[: self.numel].view(self.world_size, self.seg_numel)
+        return matrix[:, self.tag_offset : self.tag_offset + self.num_tags]
+
     def unpack(self, buffer: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
         """Copy the buffer into full flat tensors (casting to their dtype)."""
         dst: list[torch.Tensor] = []
@@ -157,20 +176,3 @@ def _even_chunk(p: ShardedParam, world_size: int) -> int:
     assert layout.first_owner == 0 and layout.world_size == world_size, p.name
     assert layout.chunk_numel * world_size >= p.numel, p.name
     return layout.chunk_numel
-
-
-def split_into_buckets(params: list[ShardedParam], bucket_numel: int) -> list[list[ShardedParam]]:
-    """Consecutive runs of ``params`` of at most ``bucket_numel`` elements (at least one
-    parameter per bucket, so a parameter larger than a bucket gets its own)."""
-    buckets: list[list[ShardedParam]] = []
-    current: list[ShardedParam] = []
-    size = 0
-    for p in params:
-        if current and size + p.numel > bucket_numel:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel
-    if current:
-        buckets.append(current)
-    return buckets

@@ -24,9 +24,8 @@ from zerostate.comm import (
     reduce_scatter_grads,
 )
 from zerostate.partition import even_layout
+from zerostate.runtime.group import GroupPolicy
 from zerostate.sharded import FlatLayout, ShardedParam
-from zerostate.stage3 import Stage3Strategy
-from zerostate.strategies import PartitionedStrategy, ReplicatedStrategy
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zerostate"
 
@@ -132,7 +131,7 @@ def test_fp16_reduction_is_predivided_and_accumulated_in_fp32(monkeypatch) -> No
 def _train(rank: int, group: SimGroup, model, stage: int, settings: dict, accum: int) -> tuple:
     engine = make_engine(model, stage=stage, group=group, **settings)
     losses = _steps(engine, rank, group.size(), 3, accum)
-    return losses, engine.full_state_dict(), type(engine._strategy)
+    return losses, engine.full_state_dict(), engine._runtime.policy
 
 
 def _steps(engine, rank: int, world_size: int, steps: int, accum: int) -> list[float]:
@@ -151,17 +150,17 @@ def _steps(engine, rank: int, world_size: int, steps: int, accum: int) -> list[f
     return out
 
 
-STRATEGIES = {
-    0: ReplicatedStrategy,
-    1: PartitionedStrategy,
-    2: PartitionedStrategy,
-    3: Stage3Strategy,
+POLICIES = {
+    0: GroupPolicy(shard_optimizer=False, shard_grads=False, shard_params=False),
+    1: GroupPolicy(shard_optimizer=True, shard_grads=False, shard_params=False),
+    2: GroupPolicy(shard_optimizer=True, shard_grads=True, shard_params=False),
+    3: GroupPolicy(shard_optimizer=True, shard_grads=True, shard_params=True),
 }
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("world_size, accum", [(1, 1), (3, 2)])
-def test_each_strategy_matches_torch_adamw(monkeypatch, stage, world_size, accum) -> None:
+def test_each_stage_policy_matches_torch_adamw(monkeypatch, stage, world_size, accum) -> None:
     settings = dict(grad_accum_steps=accum, bucket_mb=0.01)
     # Models are built here, not on the rank threads: torch's default generator is global,
     # so threads building models at once would interleave their random draws.
@@ -174,8 +173,8 @@ def test_each_strategy_matches_torch_adamw(monkeypatch, stage, world_size, accum
     ref_losses, ref_params = reference_run(make_model(), 3, accum=accum)
     # Equal local batches: the mean of the ranks' local means is the global mean.
     losses = [sum(r[0][i] for r in results) / world_size for i in range(3)]
-    for _, params, cls in results:
-        assert cls is STRATEGIES[stage]
+    for _, params, policy in results:
+        assert policy == POLICIES[stage]
         loss_err, param_err, worst = compare(losses, ref_losses, params, ref_params)
         assert loss_err < 1e-5 and param_err < 1e-5, (stage, worst, loss_err, param_err)
 

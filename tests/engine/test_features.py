@@ -26,7 +26,7 @@ from zerostate.collectives import group_info
 from zerostate.engine import EngineUsageError
 from zerostate.errors import ConfigError, DistributedMismatchError
 from zerostate.models.gpt2 import GPT2, GPT2Config
-from zerostate.stage3 import deterministic_init
+from zerostate.runtime.init import deterministic_init
 
 STEPS = 20
 INF_STEP = 3

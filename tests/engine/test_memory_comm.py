@@ -4,8 +4,7 @@ Memory is read after the first backward of a 2-micro-step accumulation, where ea
 holds what the paper counts: full gradients for stages 0/1, gradient shards for 2/3. The
 expected bytes are the paper's plus what the reduce precision costs (docs/engine.md,
 "Precision"): with the default fp32 reduction, fp32 instead of bf16 gradients (2 Psi more
-at stages 0/1, 2 Psi / N more at 2/3); with ``reduce_dtype="bf16"``, fp32 gradient shards
-only (2 Psi / N more at stages 2/3).
+at stages 0/1, 2 Psi / N more at 2/3); with ``reduce_dtype="bf16"``, nothing.
 Communication is the last of two optimizer steps without accumulation.
 """
 
@@ -25,9 +24,9 @@ def _paper_bytes(stage: int, psi: int, n: int) -> float:
 
 
 def _reduce_surcharge(stage: int, psi: int, n: int, reduce_dtype: str) -> float:
-    if stage >= 2:
-        return 2 * psi / n  # gradient shards accumulate in fp32 (4 bytes, not 2)
-    return 2 * psi if reduce_dtype == "fp32" else 0.0  # fp32 flat accumulation buffer
+    if reduce_dtype != "fp32":
+        return 0.0  # 16-bit gradients, as the paper counts them
+    return 2 * psi / n if stage >= 2 else 2 * psi  # fp32 shards / fp32 accumulation buffer
 
 
 def _worker(rank: int, world_size: int) -> dict:

@@ -1,0 +1,382 @@
+"""One parameter group: the unit of sharding, communication and lifecycle at every stage.
+
+A :class:`ParamGroup` owns a fixed list of parameters (a stage 0-2 bucket, a stage-3 module
+unit: the same object), their working storage, their gradient buffers and their pending
+gathers. What it does with them is decided by a frozen :class:`GroupPolicy`; ZeRO stages
+are presets of that policy (:meth:`GroupPolicy.for_stage`). The runtime
+(:mod:`zerostate.runtime.runtime`) only sequences groups.
+
+[Note: group policy]
+* ``shard_optimizer``: fp32 masters and optimizer state cover only the owned range of each
+  parameter (stages 1-3); otherwise the whole tensor (stage 0).
+* ``shard_grads``: every micro-step's gradients are reduce-scattered into an fp32 shard of
+  the owned range as soon as the group's gradients are complete (stages 2-3). Otherwise
+  full gradients accumulate locally, in the reduce dtype, and are communicated once on the
+  accumulation boundary: all-reduced when optimizer states are replicated (stage 0),
+  reduce-scattered in place when they are sharded (stage 1).
+* ``shard_params``: the working parameters are partitioned too and gathered for use
+  (stage 3, [Note: partitioned parameters]).
+
+[Note: local accumulation layout]
+Stage 0 accumulates in a flat buffer in parameter order, so each parameter's full gradient
+is a contiguous view (and, when the reduce dtype is the working dtype, is ``.grad`` itself:
+autograd accumulates in place). Stage 1 accumulates in the rank-segmented layout of
+[Note: bucket layout]: each arriving ``.grad`` is added into its column block and dropped,
+so no working-dtype gradient outlives its hook, and on the boundary one reduce-scatter runs
+in place (the output is this rank's own segment of the same buffer). No second full-size
+buffer exists at any time.
+
+[Note: partitioned parameters]
+Every parameter stays an ``nn.Parameter`` of its full shape inside the model, but its
+storage is resized to zero bytes whenever its group is not gathered; the rank keeps only
+its owned slice (``ShardedParam.shard``) and the fp32 master/optimizer slices. Gathering
+resizes the storage back and fills it from an all-gather. Autograd's saved tensors
+reference the same storage, so they see the re-gathered values in backward. Writes go
+through ``param.data`` (whose version counter is separate) so autograd never sees an
+in-place change.
+
+[Note: group tags]
+Each segment of a stage-3 gather buffer ends with one tag element, written through an
+integer view of the same width: the group's index + 1 when a rank gathers the group it
+expects, minus the index + 1 of the group it wants when it deviates. After the gather every
+rank reads every rank's tag, so two ranks that exchanged different groups of equal size
+(which the collective itself cannot notice) both find out and raise instead of computing
+with each other's weights.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from zerostate.comm import (
+    CommContext,
+    InFlight,
+    PendingOp,
+    PooledBuffer,
+    all_reduce_flat,
+    reduce_scatter_grads,
+    reduce_scatter_in_place,
+    start_all_gather,
+)
+from zerostate.sharded import FlatLayout, ShardedParam
+
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class GroupState(enum.Enum):
+    """Where a group's working parameters are."""
+
+    SHARDED = "sharded"  # only the owned slices exist
+    GATHERING = "gathering"  # an all-gather is in flight
+    GATHERED = "gathered"  # full parameters are materialised
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupPolicy:
+    """What a group partitions; see [Note: group policy]."""
+
+    shard_optimizer: bool
+    """fp32 masters and optimizer state hold only the owned range of each parameter."""
+    shard_grads: bool
+    """Reduce-scatter every micro-step into fp32 gradient shards."""
+    shard_params: bool
+    """Working parameters partitioned, gathered around their module's forward/backward."""
+    prefetch: bool = True
+    """Start gathering the next group while the current one computes (``shard_params``)."""
+
+    def __post_init__(self) -> None:
+        if self.shard_grads and not self.shard_optimizer:
+            raise ValueError("shard_grads needs shard_optimizer (a shard has no full master)")
+        if self.shard_params and not self.shard_grads:
+            raise ValueError("shard_params needs shard_grads (no full gradient buffer exists)")
+
+    @classmethod
+    def for_stage(cls, stage: int, *, prefetch: bool = True) -> GroupPolicy:
+        return cls(
+            shard_optimizer=stage >= 1,
+            shard_grads=stage >= 2,
+            shard_params=stage >= 3,
+            prefetch=prefetch,
+        )
+
+    @property
+    def accumulates_locally(self) -> bool:
+        return not self.shard_grads
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class ParamGroup:
+    """Parameters sharded, gathered and reduced together; see the module docstring."""
+
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        params: list[ShardedParam],
+        policy: GroupPolicy,
+        ctx: CommContext,
+    ) -> None:
+        self.index = index
+        self.name = name
+        self.params = params
+        self.trainable = [p for p in params if p.trainable]
+        self.policy = policy
+        self.ctx = ctx
+        world, rank = ctx.world_size, ctx.rank
+        self.grad_layout = FlatLayout(self.trainable, world, rank) if self.trainable else None
+        self.gather_layout = (
+            FlatLayout(params, world, rank, num_tags=1) if policy.shard_params and params else None
+        )
+        self.state = GroupState.SHARDED if policy.shard_params else GroupState.GATHERED
+        self._gather: tuple[PendingOp, PooledBuffer, int] | None = None
+        self._offsets: list[int] = []  # stage 0: each trainable's offset in the flat buffer
+        offset = 0
+        for p in self.trainable:
+            self._offsets.append(offset)
+            offset += p.numel
+        #: Full gradients accumulated locally (stages 0-1; [Note: local accumulation layout]).
+        self.acc: torch.Tensor | None = None
+        #: fp32 gradient shard of the owned ranges (stages 2-3), summed over micro-steps.
+        self.grad_shard: torch.Tensor | None = None
+        self.fresh = True  # no gradient communicated since the last zero()
+        # Per micro-step: gradients complete on this rank / communication launched.
+        self.num_ready = 0
+        self.ready = False
+        self.launched = False
+        # Stage 3, per iteration: forward calls whose post-backward is pending / done.
+        self.num_backward_calls = 0
+        self.num_backward_done = 0
+        self.needs_backward = False
+
+    # -- working storage -------------------------------------------------------------
+    def place(self, dtype: torch.dtype) -> None:
+        """Replicated parameters: cast to the working dtype, keep fp32 masters of the whole
+        tensor (stage 0) or the owned range. fp32 masters alias the working storage."""
+        for sp in self.params:
+            original = sp.param.data.contiguous()
+            lo, hi = (sp.start, sp.stop) if self.policy.shard_optimizer else (0, sp.numel)
+            sp.master_start = lo
+            sp.param.data = original.to(dtype)
+            flat = sp.param.data.view(-1)
+            sp.shard = flat[sp.start : sp.stop]
+            if dtype == torch.float32:
+                sp.master, sp.master_aliased = flat[lo:hi], True
+            else:
+                sp.master = original.view(-1)[lo:hi].to(torch.float32).clone()
+        if self.trainable and self.policy.accumulates_locally:
+            numel = self.grad_layout.numel if self.policy.shard_optimizer else self._offsets_end
+            self.acc = torch.zeros(numel, dtype=self.ctx.reduce_dtype, device=self.ctx.device)
+
+    @property
+    def _offsets_end(self) -> int:
+        return sum(p.numel for p in self.trainable)
+
+    @property
+    def _grad_views(self) -> bool:
+        # Stage 0 with the reduce dtype equal to the working dtype: .grad is the buffer.
+        return (
+            self.acc is not None
+            and not self.policy.shard_optimizer
+            and self.ctx.reduce_dtype == self.ctx.param_dtype
+        )
+
+    def _flat_view(self, i: int) -> torch.Tensor:
+        return self.acc[self._offsets[i] : self._offsets[i] + self.trainable[i].numel]
+
+    # -- gathering (partitioned parameters) ----------------------------------------------
+    def start_gather(self, tag: int | None = None) -> bool:
+        """Launch the all-gather of the full parameters; False if nothing was launched
+        (already gathered or in flight)."""
+        if self.state is not GroupState.SHARDED:
+            return False
+        layout = self.gather_layout
+        if layout is None:
+            self.state = GroupState.GATHERED
+            return False
+        tag = self.index + 1 if tag is None else tag
+        op, buffer = start_all_gather(
+            self.ctx,
+            layout,
+            [p.shard for p in self.params],
+            None,
+            dtype=self.ctx.param_dtype,
+            before_launch=lambda buf: _write_tag(layout, buf, tag),
+        )
+        self._gather = (op, buffer, tag)
+        self.state = GroupState.GATHERING
+        return True
+
+    def wait_gather(self) -> list[int]:
+        """Complete the gather; returns every rank's tag ([Note: group tags]) without
+        unpacking. The caller checks the tags, then calls :meth:`unpack_gather` (or
+        :meth:`drop_gather` to discard what arrived)."""
+        assert self._gather is not None, self.name
+        op, buffer, _ = self._gather
+        op.complete()
+        return _read_tags(self.gather_layout, buffer.tensor)
+
+    def unpack_gather(self) -> None:
+        op, buffer, _ = self._gather
+        self._gather = None
+        targets = []
+        for p in self.params:
+            data = p.param.data
+            data.untyped_storage().resize_(p.numel * data.element_size())
+            targets.append(data.view(-1))
+        with torch.no_grad():
+            self.gather_layout.unpack(buffer.tensor, targets)
+        self.ctx.pool.release(buffer)
+        self.state = GroupState.GATHERED
+
+    def drop_gather(self) -> None:
+        if self._gather is not None:
+            op, buffer, _ = self._gather
+            op.complete()
+            self.ctx.pool.release(buffer)
+            self._gather = None
+        self.state = GroupState.SHARDED
+
+    @property
+    def gather_tag(self) -> int | None:
+        return None if self._gather is None else self._gather[2]
+
+    def release(self) -> None:
+        """Free the full parameters (partitioned parameters only)."""
+        if not self.policy.shard_params:
+            return
+        if self.state is GroupState.GATHERING:
+            self.drop_gather()
+        for p in self.params:
+            p.param.data.untyped_storage().resize_(0)
+        self.state = GroupState.SHARDED
+
+    def write_back(self) -> None:
+        """Copy the (possibly edited) full parameters into the shards and masters."""
+        with torch.no_grad():
+            for sp in self.params:
+                flat = sp.param.data.view(-1)
+                if self.policy.shard_params:
+                    sp.shard.copy_(flat[sp.start : sp.stop])
+                if not sp.master_aliased:
+                    lo = sp.master_start
+                    sp.master.copy_(flat[lo : lo + sp.master.numel()])
+
+    # -- gradients -------------------------------------------------------------------
+    def prepare(self, *, communicate: bool) -> None:
+        """Before a micro-step's backward."""
+        self.num_ready = 0
+        self.ready = False
+        self.launched = not communicate or self.grad_layout is None
+        if self._grad_views:
+            self._attach_flat_grads()
+
+    def _attach_flat_grads(self) -> None:
+        # Autograd accumulates into an existing .grad in place, so a view keeps the buffer
+        # as the one gradient storage (re-attached if the user replaced or dropped it).
+        for i, p in enumerate(self.trainable):
+            view = self._flat_view(i).view(p.shape)
+            grad = p.param.grad
+            if grad is None or grad.data_ptr() != view.data_ptr():
+                if grad is not None:
+                    view.copy_(grad)
+                p.param.grad = view
+
+    def on_grad(self, index: int) -> bool:
+        """Trainable parameter ``index``'s gradient was accumulated into ``.grad``; fold it
+        into the local buffer if there is one. True once every one has arrived."""
+        sp = self.trainable[index]
+        if self.acc is not None and not self._grad_views:
+            grad = sp.param.grad.reshape(-1)
+            if self.policy.shard_optimizer:
+                self.grad_layout.add_param(self.acc, index, grad)
+            else:
+                self._flat_view(index).add_(grad)
+            sp.param.grad = None
+        self.num_ready += 1
+        return self.num_ready == len(self.trainable)
+
+    def launch(self, inflight: InFlight) -> None:
+        """Communicate this micro-step's gradients (once per micro-step)."""
+        assert not self.launched, self.name
+        self.launched = True
+        if self.acc is not None:
+            if self.policy.shard_optimizer:
+                reduce_scatter_in_place(self.ctx, inflight, self.grad_layout, self.acc)
+            else:
+                all_reduce_flat(self.ctx, inflight, self.acc)
+            return
+        grads = [None if p.param.grad is None else p.param.grad.reshape(-1) for p in self.trainable]
+        for p in self.trainable:
+            p.param.grad = None  # the full gradient is consumed; only the shard stays
+        reduce_scatter_grads(
+            self.ctx, inflight, self.grad_layout, grads, self._shard(), accumulate=not self.fresh
+        )
+        self.fresh = False
+
+    def _shard(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            # [Note: reduce precision]: summed in fp32 by default; a 16-bit reduce dtype
+            # keeps the shard in that dtype too, as the paper counts it.
+            self.grad_shard = torch.zeros(
+                self.grad_layout.seg_numel, dtype=self.ctx.reduce_dtype, device=self.ctx.device
+            )
+        return self.grad_shard
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """This rank's summed gradient of every trainable parameter, aligned with its
+        master (full at stage 0, the owned range otherwise)."""
+        if not self.trainable:
+            return []
+        if self.acc is not None:
+            if not self.policy.shard_optimizer:
+                return [self._flat_view(i) for i in range(len(self.trainable))]
+            views = self.grad_layout.shard_views(self.grad_layout.segment(self.acc))
+        else:
+            if self.fresh:  # nothing was reduced this step
+                self._shard().zero_()
+            views = self.grad_layout.shard_views(self.grad_shard)
+        if self.ctx.predivide != 1.0:  # fp16 sums are kept pre-divided (no fp16 overflow)
+            return [v.float().mul_(self.ctx.predivide) for v in views]
+        return views
+
+    def zero(self) -> None:
+        """Forget the gradients of the step just taken."""
+        self.fresh = True
+        if self.acc is not None:
+            self.acc.zero_()
+        elif not self.policy.shard_params:
+            for p in self.trainable:
+                p.param.grad = None
+
+    # -- accounting ------------------------------------------------------------------
+    def param_bytes(self) -> int:
+        if self.policy.shard_params:
+            return sum(_nbytes(sp.shard) for sp in self.params)
+        return sum(_nbytes(sp.param.data) for sp in self.params)
+
+    def grad_bytes(self) -> int:
+        held = _nbytes(self.acc) + _nbytes(self.grad_shard)
+        if not self._grad_views:
+            held += sum(_nbytes(sp.param.grad) for sp in self.trainable)
+        return held
+
+    def gathered_bytes(self) -> int:
+        if not self.policy.shard_params:
+            return 0
+        return sum(sp.param.untyped_storage().nbytes() for sp in self.params)
+
+
+def _write_tag(layout: FlatLayout, buffer: torch.Tensor, tag: int) -> None:
+    column = layout.tags(buffer)[layout.rank]
+    column.view(_INT_OF_WIDTH[buffer.element_size()]).fill_(tag)
+
+
+def _read_tags(layout: FlatLayout, buffer: torch.Tensor) -> list[int]:
+    tags = layout.tags(buffer)[:, 0]
+    return tags.view(_INT_OF_WIDTH[buffer.element_size()]).tolist()

@@ -1,0 +1,541 @@
+"""The parameter-group runtime: sequences every stage's groups through a training step.
+
+The engine calls, whatever the stage: ``pre_forward()`` / ``post_forward()`` around the
+module's forward; per micro-step ``prepare(boundary=...)``, ``on_grad_ready(i)`` from each
+trainable parameter's post-accumulate-grad hook, ``finish_backward()``; at the step
+``step_grads()``, ``reduce_norm_and_flags()``, ``refresh()``, ``zero()``.
+
+[Note: reduce order]
+Gradient collectives are launched in one static order, the same on every rank: buckets in
+reverse parameter order (the order backward usually produces gradients); module units in
+reverse module order, the root last. A group is launched once its gradients are complete
+on this rank *and* every group before it in that order has been launched. A group that did
+not run on a rank (an idle expert, a skipped block) is complete only at the end of
+backward, where every group left is launched with zeros for the missing gradients. So what
+each rank computed never changes which collectives it issues or in which order.
+
+[Note: structural lifecycle]
+With partitioned parameters a unit is gathered when its module is entered (forward
+pre-hook) and released when its forward returns; for backward it is gathered again when
+the first gradient reaches one of its outputs, and released when autograd is done with the
+module: when the gradients of its inputs have been computed (an autograd function applied
+to the inputs at forward time), or at the end of backward when no input needed a
+gradient. Frozen parameters inside a trainable module therefore stay gathered as long as
+autograd needs them (LoRA), and a frozen module on a trainable path is gathered again for
+backward.
+
+[Note: agreed gather order]
+Ranks must gather units in one order. During the first forward every gather is preceded by
+a tiny synchronous exchange of the unit's index, which records the order and makes ranks
+that enter different units raise at once, naming them. Afterwards a rank that enters a unit
+other than the next one of the recorded order takes part in the collective the other ranks
+issue next (the next unit's gather) with a deviation tag ([Note: group tags]), so every rank
+learns of it from that same collective: if every rank deviated alike (an evaluation forward
+that skips a head), they continue with synchronous exchanges for the rest of that forward;
+otherwise every rank raises :class:`GroupMismatchError` naming the units and the fix. At
+the end of every forward the ranks compare which units they entered (one small exchange),
+which catches a rank that skipped trailing units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zerostate import collectives
+from zerostate.comm import CommContext, InFlight, all_gather_groups
+from zerostate.errors import DistributedMismatchError, ZerostateError
+from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
+from zerostate.runtime.grouping import assign_units, select_units, split_into_buckets
+from zerostate.runtime.init import materialise
+from zerostate.sharded import FlatLayout, ShardedParam
+
+# Kinds of the small synchronous exchanges of [Note: agreed gather order].
+_GATHER, _END = 1, 2
+
+
+class GroupMismatchError(DistributedMismatchError):
+    """Ranks gathered different parameter groups in one collective."""
+
+
+class StageUsageError(ZerostateError, RuntimeError):
+    """The partitioned model was used in a way the runtime cannot serve."""
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs whose backward marks the unit done
+    ([Note: structural lifecycle])."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: GroupRuntime, group: ParamGroup, *inputs: torch.Tensor):
+        ctx.runtime, ctx.group = runtime, group
+        return inputs if len(inputs) != 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor):
+        ctx.runtime._post_backward(ctx.group)
+        return (None, None, *grads)
+
+
+class GroupRuntime:
+    """Every parameter group of one engine and the order they run in."""
+
+    def __init__(
+        self, ctx: CommContext, params: list[ShardedParam], *, stage: int, bucket_numel: int
+    ) -> None:
+        self.ctx = ctx
+        self.params = params
+        self.trainable = [sp for sp in params if sp.trainable]
+        self.stage = stage
+        self.bucket_numel = bucket_numel
+        self.policy: GroupPolicy = GroupPolicy.for_stage(stage)
+        self.groups: list[ParamGroup] = []
+        self.root: ParamGroup | None = None
+        self._reduce_order: list[ParamGroup] = []
+        self._slot: list[tuple[ParamGroup, int]] = []  # per trainable: (group, index in it)
+        self._inflight = InFlight()
+        self._next = 0
+        self._communicate = False
+        #: Names of tensors no initialiser wrote ([Note: unset state] in runtime.init).
+        self.unset: list[str] = []
+        # Partitioned parameters only:
+        self._order: list[ParamGroup] = []  # [Note: agreed gather order]
+        self._recording = True
+        self._adhoc = False
+        self._cursor = 0
+        self._launched_upto = 0
+        self._entered: list[int] = []
+        self._in_forward = False
+        self._gathered_depth = 0
+
+    # -- construction ----------------------------------------------------------------
+    def setup(self, model: nn.Module, config: Any) -> None:
+        self.policy = GroupPolicy.for_stage(self.stage, prefetch=config.prefetch)
+        if self.policy.shard_params:
+            self.unset = materialise(
+                model,
+                self.params,
+                dtype=self.ctx.param_dtype,
+                device=self.ctx.device,
+                init_fn=config.init_fn,
+                seed=config.init_seed,
+            )
+            units = select_units(model, config.unit_policy, config.leaf_modules)
+            root, members = assign_units(model, self.params, units)
+            self.root = self._group("", root)
+            pairs = [(module, self._group(name, m)) for name, module, m in members]
+            self._reduce_order = [g for _, g in reversed(pairs)] + [self.root]
+            for module, group in pairs:
+                module.register_forward_pre_hook(self._make_pre_forward(group), with_kwargs=True)
+                module.register_forward_hook(self._make_post_forward(group))
+            model.register_forward_pre_hook(self._guard_outside_call)
+        else:
+            frozen = [sp for sp in self.params if not sp.trainable]
+            for members in split_into_buckets(list(reversed(self.trainable)), self.bucket_numel):
+                self._reduce_order.append(self._group(f"bucket{len(self.groups)}", members))
+            for members in split_into_buckets(frozen, self.bucket_numel):
+                self._group(f"frozen{len(self.groups)}", members)
+            for group in self.groups:
+                group.place(self.ctx.param_dtype)
+        self._reduce_order = [g for g in self._reduce_order if g.trainable]
+        where = {id(sp): (g, i) for g in self.groups for i, sp in enumerate(g.trainable)}
+        self._slot = [where[id(sp)] for sp in self.trainable]
+
+    def _group(self, name: str, members: list[ShardedParam]) -> ParamGroup:
+        group = ParamGroup(len(self.groups), name, members, self.policy, self.ctx)
+        self.groups.append(group)
+        return group
+
+    # -- forward -----------------------------------------------------------------------
+    def pre_forward(self) -> None:
+        self._in_forward = True
+        if self._gathered_depth:
+            return
+        if self.root is not None:
+            self._entered = []
+            self._cursor = 0
+            self._launched_upto = 0
+            self._adhoc = False
+            self._gather_now(self.root)
+            if self.policy.prefetch and not self._recording and self._order:
+                self._prefetch_next()
+
+    def post_forward(self) -> None:
+        self._in_forward = False
+        if self.root is None or self._gathered_depth:
+            return
+        self._check_forward_end()
+        self._recording = False
+        if not torch.is_grad_enabled():
+            self.release_all()
+
+    def _guard_outside_call(self, module: nn.Module, args: Any) -> None:
+        if not (self._in_forward or self._gathered_depth or _in_backward()):
+            raise StageUsageError(
+                "at stage 3 the model's parameters are partitioned, so calling the wrapped "
+                "module outside the engine (model(...), model.generate(...)) would compute "
+                "with empty weights; call engine(...) to train, or run evaluation, "
+                "generate() and save_pretrained() inside `with engine.gathered():`"
+            )
+
+    def _make_pre_forward(self, group: ParamGroup):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            if self._gathered_depth:
+                return None
+            if _in_backward():
+                self._gather_now(group)  # activation-checkpoint recomputation
+                return None
+            self._enter(group)
+            if torch.is_grad_enabled():
+                return self._wrap_inputs(group, args, kwargs)
+            return None
+
+        return hook
+
+    def _wrap_inputs(self, group: ParamGroup, args: tuple, kwargs: dict):
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [
+            i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not positions:
+            return None
+        group.num_backward_calls += 1
+        outs = _PostBackward.apply(self, group, *[flat[i] for i in positions])
+        outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+        for i, t in zip(positions, outs, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _make_post_forward(self, group: ParamGroup):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._gathered_depth or _in_backward():
+                return
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(group))
+                        group.needs_backward = True
+            group.release()
+
+        return hook
+
+    # -- the agreed gather order ([Note: agreed gather order]) -----------------------------
+    def _enter(self, group: ParamGroup) -> None:
+        self._entered.append(group.index)
+        if self._recording or self._adhoc:
+            self._exchange(_GATHER, group.index)
+            if self._recording:
+                self._order.append(group)
+            self._gather_now(group)
+            return
+        expected = self._order[self._cursor] if self._cursor < len(self._order) else None
+        if group is expected:
+            self._cursor += 1
+            self._gather_now(group)
+            if self.policy.prefetch:
+                self._prefetch_next()
+            return
+        self._deviate(group)
+        self._gather_now(group)
+
+    def _prefetch_next(self) -> None:
+        while self._launched_upto <= self._cursor and self._launched_upto < len(self._order):
+            nxt = self._order[self._launched_upto]
+            self._launched_upto += 1
+            nxt.start_gather()
+
+    def _deviate(self, wanted: ParamGroup | None) -> None:
+        """This rank leaves the recorded order (``wanted`` is None: its forward ended
+        early): say so in the collective the others issue next, the gather of the next
+        unit not yet launched, and continue only if every rank left the order alike."""
+        code = -(wanted.index + 1) if wanted is not None else -(len(self.groups) + 1)
+        position = max(self._launched_upto, self._cursor)
+        if position < len(self._order):
+            nxt = self._order[position]
+            nxt.release()
+            nxt.start_gather(tag=code)
+            tags = nxt.wait_gather()
+            nxt.drop_gather()
+            self._launched_upto = position + 1
+            if len(set(tags)) != 1:
+                self._raise_mismatch(tags)
+        self._release_prefetched()
+        self._adhoc = True
+        if wanted is not None:
+            self._exchange(_GATHER, wanted.index)
+
+    def _release_prefetched(self) -> None:
+        for g in self._order[self._cursor :]:
+            if g.state is GroupState.GATHERING:
+                g.drop_gather()
+
+    def _check_forward_end(self) -> None:
+        if not self._recording and not self._adhoc and self._cursor < len(self._order):
+            self._deviate(None)  # this rank skipped trailing units
+        signature = zlib.crc32(repr(self._entered).encode())
+        self._exchange(_END, signature)
+
+    def _exchange(self, kind: int, value: int) -> None:
+        rows = collectives.exchange(
+            [kind, value],
+            group=self.ctx.group,
+            world_size=self.ctx.world_size,
+            device=self.ctx.device,
+            stats=self.ctx.stats,
+        )
+        if all(r == rows[0] for r in rows):
+            return
+        wanted = {}
+        for rank, (k, v) in enumerate(rows):
+            if k == _GATHER and 0 <= v < len(self.groups):
+                wanted[rank] = f"gathers {self._label(self.groups[v])}"
+            else:
+                wanted[rank] = "has finished its forward"
+        self._fail(wanted)
+
+    def _raise_mismatch(self, tags: list[int]) -> None:
+        wanted = {}
+        for rank, tag in enumerate(tags):
+            if tag > 0:
+                wanted[rank] = f"gathers {self._label(self.groups[tag - 1])}"
+            elif -tag - 1 < len(self.groups):
+                wanted[rank] = f"gathers {self._label(self.groups[-tag - 1])}"
+            else:
+                wanted[rank] = "has finished its forward"
+        self._fail(wanted)
+
+    def _fail(self, wanted: dict[int, str]) -> None:
+        shown = "; ".join(f"rank {r} {what}" for r, what in sorted(wanted.items()))
+        raise GroupMismatchError(
+            f"stage 3: ranks ran different modules in one forward ({shown}). Each rank "
+            "gathers a module's parameters with a collective when it enters the module, so "
+            "a module that runs on some ranks only must be gathered as part of a parent "
+            "that every rank enters: pass leaf_modules=['<that parent>'] (a module name or "
+            "class), as for heads picked per sample or blocks skipped on some ranks"
+        )
+
+    @staticmethod
+    def _label(group: ParamGroup) -> str:
+        return repr(group.name) if group.name else "the root parameters"
+
+    # -- gathering -----------------------------------------------------------------------
+    def _gather_now(self, group: ParamGroup) -> None:
+        if group.state is GroupState.GATHERED:
+            return
+        group.start_gather()
+        if group.state is GroupState.GATHERED:
+            return
+        tags = group.wait_gather()
+        if any(t != tags[0] for t in tags) or tags[0] != group.index + 1:
+            self._raise_mismatch(tags)
+        group.unpack_gather()
+
+    # -- backward ------------------------------------------------------------------------
+    def _make_pre_backward(self, group: ParamGroup):
+        def hook(grad: torch.Tensor) -> None:
+            if group.state is GroupState.GATHERED:
+                return
+            self._gather_now(group)
+            if self.policy.prefetch:
+                index = next((i for i, g in enumerate(self._order) if g is group), 0)
+                for prev in reversed(self._order[:index]):
+                    if prev.needs_backward and prev.num_backward_done < prev.num_backward_calls:
+                        prev.start_gather()
+                        break
+
+        return hook
+
+    def _post_backward(self, group: ParamGroup) -> None:
+        group.num_backward_done += 1
+        if group.num_backward_done < group.num_backward_calls:
+            return
+        group.release()
+        group.ready = True
+        self._launch_ready()
+
+    def prepare(self, *, boundary: bool) -> None:
+        self._communicate = boundary or self.policy.shard_grads
+        self._next = 0
+        for group in self.groups:
+            group.prepare(communicate=self._communicate)
+
+    def on_grad_ready(self, index: int) -> None:
+        group, i = self._slot[index]
+        if group.launched and self._communicate:
+            raise StageUsageError(
+                f"the gradient of {self.trainable[index].name} arrived after its group "
+                f"{self._label(group)} was reduced; this autograd graph reaches the "
+                "parameter after its module's inputs (report it with the model)"
+            )
+        complete = group.on_grad(i)
+        if complete and not self.policy.shard_params:
+            group.ready = True
+        if self._communicate:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        if not self._communicate:
+            return
+        order = self._reduce_order
+        while self._next < len(order) and order[self._next].ready:
+            order[self._next].launch(self._inflight)
+            self._next += 1
+
+    def finish_backward(self) -> None:
+        """After backward: launch what is left (zeros for gradients that never came), wait
+        for all communication, release every gathered unit."""
+        if self._communicate:
+            for group in self._reduce_order[self._next :]:
+                if not group.launched:
+                    group.launch(self._inflight)
+            self._next = len(self._reduce_order)
+        self._inflight.drain()
+        self.release_all()
+
+    def release_all(self) -> None:
+        if self._gathered_depth:
+            return
+        for group in self.groups:
+            group.release()
+            group.needs_backward = False
+            group.num_backward_calls = 0
+            group.num_backward_done = 0
+
+    # -- the step ------------------------------------------------------------------------
+    def step_grads(self) -> list[torch.Tensor]:
+        per_group = {g.index: g.step_grads() for g in self.groups if g.trainable}
+        return [per_group[g.index][i] for g, i in self._slot]
+
+    def reduce_norm_and_flags(self, folded: torch.Tensor) -> None:
+        """``folded`` is ``[this rank's sum of squared gradient elements, one flag per
+        trainable parameter]``; sum both over the ranks, in place, in one all-reduce."""
+        if not self.policy.shard_optimizer and self.ctx.rank != 0:
+            # Replicated gradients are the full sum on every rank: count one copy.
+            folded[:1].zero_()
+        collectives.all_reduce(folded, group=self.ctx.group, stats=self.ctx.stats)
+
+    def refresh(self, params: list[ShardedParam] | None = None) -> None:
+        """Working values from the masters: of the trainable parameters after a step
+        (``None``; counted as step traffic), or of ``params`` after a load."""
+        targets = self.trainable if params is None else params
+        if self.policy.shard_params:
+            if params is not None:
+                self.release_all()
+            _copy([(sp.shard, sp.master) for sp in targets if not sp.master_aliased])
+        elif not self.policy.shard_optimizer:
+            _copy([(sp.param.data.view(-1), sp.master) for sp in targets if not sp.master_aliased])
+        else:
+            groups = (
+                [g.trainable for g in self._reduce_order]
+                if params is None
+                else split_into_buckets(params, self.bucket_numel)
+            )
+            all_gather_groups(
+                self.ctx,
+                [FlatLayout(g, self.ctx.world_size, self.ctx.rank) for g in groups],
+                [[p.master for p in g] for g in groups],
+                [[p.param.data.view(-1) for p in g] for g in groups],
+                dtype=self.ctx.param_dtype,
+                counted=params is None,
+            )
+
+    def zero(self) -> None:
+        for group in self.groups:
+            group.zero()
+
+    # -- whole tensors ---------------------------------------------------------------------
+    def full_masters(self, params: list[ShardedParam]) -> list[torch.Tensor]:
+        """Full flat fp32 values of ``params`` (collective)."""
+        if not self.policy.shard_optimizer:
+            return [sp.master.clone() for sp in params]
+        return self.gather_full(params, [sp.master for sp in params], counted=False)
+
+    def gather_full(
+        self, params: list[ShardedParam], shards: list[torch.Tensor], *, counted: bool = True
+    ) -> list[torch.Tensor]:
+        """Full flat fp32 tensors from every rank's owned slice ``shards[i]`` of
+        ``params[i]`` (an optimizer's update matrices for Muon; masters for export)."""
+        if not self.policy.shard_optimizer:
+            return [t.reshape(-1) for t in shards]  # masters (and so the shards) are whole
+        ctx = self.ctx
+        full = [torch.empty(sp.numel, dtype=torch.float32, device=ctx.device) for sp in params]
+        index = {id(sp): i for i, sp in enumerate(params)}
+        groups = split_into_buckets(params, self.bucket_numel)
+        all_gather_groups(
+            ctx,
+            [FlatLayout(g, ctx.world_size, ctx.rank) for g in groups],
+            [[shards[index[id(p)]].reshape(-1) for p in g] for g in groups],
+            [[full[index[id(p)]] for p in g] for g in groups],
+            dtype=torch.float32,
+            counted=counted,
+        )
+        return full
+
+    @contextlib.contextmanager
+    def gathered(
+        self,
+        modules: Sequence[nn.Module] | None = None,
+        *,
+        rank0_only: bool = False,
+        writeback: bool = False,
+    ) -> Iterator[None]:
+        """Full working parameters for code outside the training step; collective."""
+        if rank0_only and writeback:
+            raise StageUsageError(
+                "gathered(rank0_only=True, writeback=True): the other ranks would keep their "
+                "old shards; write back from every rank (rank0_only=False)"
+            )
+        if self._in_forward or self._gathered_depth:
+            raise StageUsageError(
+                "gathered() cannot be entered inside a forward or inside another gathered()"
+            )
+        wanted = None
+        if modules is not None:
+            wanted = {id(p) for m in modules for p in m.parameters()}
+        groups = [
+            g
+            for g in self.groups
+            if wanted is None or any(id(sp.param) in wanted for sp in g.params)
+        ]
+        if self.policy.shard_params:
+            self._inflight.drain()
+            self.release_all()
+            for group in groups:
+                self._gather_now(group)
+                if rank0_only and self.ctx.rank != 0:
+                    group.release()
+        self._gathered_depth += 1
+        try:
+            yield
+        finally:
+            self._gathered_depth -= 1
+            if writeback:
+                for group in groups:
+                    if group.state is GroupState.GATHERED:
+                        group.write_back()
+            if self.policy.shard_params:
+                for group in groups:
+                    group.release()
+
+    # -- accounting ------------------------------------------------------------------------
+    def bytes_held(self) -> dict[str, int]:
+        return {
+            "params": sum(g.param_bytes() for g in self.groups),
+            "grads": sum(g.grad_bytes() for g in self.groups),
+            "gathered_params": sum(g.gathered_bytes() for g in self.groups),
+        }
+
+
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    if pairs:
+        torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
