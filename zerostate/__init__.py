@@ -3,6 +3,7 @@
 from zerostate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CollectiveTimeoutError,
     CommitTimeoutError,
     ConfigError,
     CorruptCheckpointError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CollectiveTimeoutError",
     "CommitTimeoutError",
     "ConfigError",
     "CorruptCheckpointError",

@@ -71,7 +71,7 @@ from zerostate.store import (
 log = logging.getLogger(__name__)
 
 # Codes ranks exchange before and during a save (see [Note: failing together]).
-_OK, _FAILED, _EXISTS, _REFUSED = 0, 1, 2, 3
+_OK, _FAILED, _EXISTS, _REFUSED, _NEWER = 0, 1, 2, 3, 4
 
 #: Default seconds a rank waits for the others while committing a step.
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
@@ -169,6 +169,21 @@ def _json_checked(value: Any, what: str) -> Any:
     return value
 
 
+def _left_behind(st: Any, stateful: dict, world_size: int) -> list[str]:
+    """What step ``st`` saved that a load with ``stateful`` at ``world_size`` does not restore."""
+    shared, per_rank = st.attrs.get("stateful"), st.attrs.get("stateful_per_rank")
+    saved = {n for n in shared if isinstance(n, str)} if isinstance(shared, dict) else set()
+    if isinstance(per_rank, list):
+        saved |= {n for n in per_rank if isinstance(n, str)}
+    left = [f"stateful[{name!r}]" for name in sorted(saved - set(stateful))]
+    if st.world_size != world_size:
+        left.append(
+            f"RNG states of {st.world_size} ranks (restored only at the same world size; "
+            f"this run has {world_size})"
+        )
+    return left
+
+
 class Checkpointer:
     """Saves and loads one engine's state. Created by the engine; use ``engine.save``."""
 
@@ -185,6 +200,9 @@ class Checkpointer:
         self._snapshot_ready = threading.Event()
         self._snapshot_ready.set()
         self._checked_roots: set[str] = set()  # see [Note: save target] in adapt.py
+        # Roots this engine loaded from or committed to: saving an older step there is
+        # resuming or rewinding this run, not landing beside another run's steps.
+        self._own_roots: set[str] = set()
         #: Seconds the training thread waited in before_update() for async snapshots.
         self.stall_s = 0.0
         self._closed = False
@@ -209,8 +227,16 @@ class Checkpointer:
 
     def _agree(self, error: BaseException | None, what: str) -> None:
         """See [Note: failing together]: every rank learns whether any rank failed."""
-        rows = self._exchange([_FAILED if error is not None else _OK])
-        self._raise_if_failed(error, [row[0] == _FAILED for row in rows], what)
+        collectives.agree(
+            error,
+            what,
+            group=self.engine.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.engine.device,
+            error_cls=CheckpointError,
+            note=" and nothing was committed",
+        )
 
     def _raise_if_failed(self, error: BaseException | None, failed: list[bool], what: str) -> None:
         if error is not None:
@@ -336,6 +362,7 @@ class Checkpointer:
         storage_options: dict | None = None,
         progress: Callable[[int], None] | None = None,
         stateful: dict | None = None,
+        allow_older_step: bool = False,
     ) -> SaveHandle:
         start = time.perf_counter()
         self._check_open()
@@ -358,6 +385,7 @@ class Checkpointer:
         # [Note: failing together] Rank 0 checks the target and picks a save id, every rank
         # finishes its previous save; one all-gather tells every rank the verdict of all
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
+        self._arrive(f"save of step {step}")
         code, save_id, error, refusal = _OK, 0, None, None
         try:
             self.wait()  # one save in flight; surfaces a previous background failure
@@ -366,7 +394,11 @@ class Checkpointer:
                 code = _REFUSED
             elif self.rank == 0:
                 save_id = secrets.randbits(62)
-                if open_checkpoint(path, storage_options=storage_options).is_committed(step):
+                ckpt = open_checkpoint(path, storage_options=storage_options)
+                newer = None if allow_older_step else self._newer_step(ckpt, path, step)
+                if newer is not None:
+                    code, save_id = _NEWER, newer
+                elif ckpt.is_committed(step):
                     code = _EXISTS
                 else:
                     remove_partial_steps(path, storage_options=storage_options, only_step=step)
@@ -395,6 +427,14 @@ class Checkpointer:
         code, save_id = rows[0][0], rows[0][1]
         if code == _REFUSED:
             raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
+        if code == _NEWER:
+            raise ConfigError(
+                f"{path} already holds committed step {save_id}, newer than step {step} being "
+                f"saved, and this engine did not load from {path}: it looks like another "
+                "run's checkpoint, and a later load would resume that run's step "
+                f"{save_id}. Call engine.load({path!r}) first to continue that run, save "
+                "into a new directory, or pass allow_older_step=True to save beside it"
+            )
         if code == _EXISTS:
             raise StepExistsError(
                 f"step {step} is already committed in {path}; save under another step number "
@@ -440,6 +480,7 @@ class Checkpointer:
             except Exception as exc:
                 error = exc
             self._agree(error, f"committing step {step}")
+            self._remember_root(path)
             return SaveHandle(step, path, None, time.perf_counter() - start)
 
         def finish() -> None:
@@ -458,6 +499,7 @@ class Checkpointer:
 
         if self._state.executor is None:
             self._state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
+        self._remember_root(path)
         future = self._state.executor.submit(finish)
         handle = SaveHandle(step, path, future, time.perf_counter() - start)
         with self._lock:
@@ -483,6 +525,34 @@ class Checkpointer:
         if refusal is None:
             self._checked_roots.add(location)
         return refusal
+
+    def _newer_step(self, ckpt: Any, path: str, step: int) -> int | None:
+        """Rank 0: the root's latest committed step when it is newer than ``step`` and this
+        engine neither loaded from nor saved to the root (another run's checkpoint)."""
+        from zerostate.store.storage import canonical_location
+
+        if canonical_location(path) in self._own_roots:
+            return None
+        steps = ckpt.steps()
+        return steps[-1] if steps and steps[-1] > step else None
+
+    def _arrive(self, what: str) -> None:
+        """See [Note: arrival deadline] in zerostate.collectives."""
+        collectives.arrive(
+            what,
+            group=self.engine.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.engine.config.collective_timeout_s,
+        )
+
+    def _remember_root(self, path: str) -> None:
+        from zerostate.store.storage import canonical_location
+
+        try:
+            self._own_roots.add(canonical_location(path))
+        except ZerostateError:
+            pass
 
     @staticmethod
     def _retain(path: str, step: int, keep_last: int | None, storage_options: dict | None) -> None:
@@ -529,15 +599,23 @@ class Checkpointer:
         storage_options: dict | None = None,
         strict: bool = True,
         stateful: dict | None = None,
+        strict_state: bool = False,
     ) -> Any:
         self._check_open()
         stateful = _check_stateful(stateful, loading=True)
-        error, st, restore = None, None, None
+        self._arrive(f"load from {path}")
+        error, st, restore, left = None, None, None, []
         try:
             self.wait()
             self.before_update()
             st = self._read_step(path, step, storage_options, strict)
             restore = self._saved_rank_state(st, stateful, strict)
+            left = _left_behind(st, stateful, self.world_size)
+            if left and strict_state:
+                raise CheckpointError(
+                    f"step {st.step} in {path} holds state this load was not asked to "
+                    f"restore: {'; '.join(left)} (strict_state=True)"
+                )
         except Exception as exc:
             error = exc
         # Every rank must know before the collectives below whether all ranks read their
@@ -550,6 +628,16 @@ class Checkpointer:
         for name, value in objects.items():
             stateful[name].load_state_dict(value)
         self._barrier()
+        self._remember_root(path)
+        if left and self.rank == 0:
+            log.warning(
+                "zerostate: loaded step %d from %s but left saved state unrestored: %s. "
+                "Pass it to load(stateful={...}) to restore it, or strict_state=True to make "
+                "this an error",
+                st.step,
+                path,
+                "; ".join(left),
+            )
         return st.attrs.get("client_state")
 
     def _read_step(
