@@ -31,6 +31,7 @@ __all__ = [
     "UnsafeNameError",
     "ZerostateError",
     "__version__",
+    "check_storage",
 ]
 
 
@@ -41,4 +42,8 @@ def __getattr__(name: str):
         from zerostate import engine
 
         return getattr(engine, name)
+    if name == "check_storage":
+        from zerostate.store.options import check_storage
+
+        return check_storage
     raise AttributeError(f"module 'zerostate' has no attribute {name!r}")

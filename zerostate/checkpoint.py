@@ -169,6 +169,35 @@ def _json_checked(value: Any, what: str) -> Any:
     return value
 
 
+def _transformers_config(module: Any) -> dict | None:
+    """A Hugging Face model's ``config.json`` content (what ``from_pretrained`` needs beside
+    the weights), or None for other models."""
+    module = getattr(module, "_orig_mod", module)  # torch.compile
+    config = getattr(module, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json) or not callable(getattr(module, "save_pretrained", None)):
+        return None
+    try:
+        data = json.loads(to_json(use_diff=False))
+    except (TypeError, ValueError) as exc:
+        log.warning("zerostate: not recording the model's config (not JSON): %s", exc)
+        return None
+    if isinstance(data, dict) and not data.get("architectures"):
+        data["architectures"] = [type(module).__name__]  # as save_pretrained records it
+    return data if isinstance(data, dict) else None
+
+
+#: Names an error lists before it only counts the rest.
+LISTED_NAMES = 10
+
+
+def _listing(names: list[str]) -> str:
+    """The first :data:`LISTED_NAMES` of ``names``, then how many more there are."""
+    shown = ", ".join(names[:LISTED_NAMES])
+    rest = len(names) - LISTED_NAMES
+    return f"{shown} and {rest} more" if rest > 0 else shown
+
+
 def _left_behind(st: Any, stateful: dict, world_size: int) -> list[str]:
     """What step ``st`` saved that a load with ``stateful`` at ``world_size`` does not restore."""
     shared, per_rank = st.attrs.get("stateful"), st.attrs.get("stateful_per_rank")
@@ -382,6 +411,9 @@ class Checkpointer:
             "client_state": _json_checked(client_state, "client_state"),
             "saved_at_unix": time.time(),
         }
+        model_config = _transformers_config(self.engine.module)
+        if model_config is not None:
+            attrs["model_config"] = model_config  # consolidate writes it as config.json
         # [Note: failing together] Rank 0 checks the target and picks a save id, every rank
         # finishes its previous save; one all-gather tells every rank the verdict of all
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
@@ -653,18 +685,23 @@ class Checkpointer:
 
             report_skipped(path, st.step, [v.name for v in views], st.tensors)
         if missing and strict:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise CheckpointError(
                 f"step {st.step} in {path} lacks {len(missing)} tensor(s) the model needs: "
-                f"{shown}. Is it a checkpoint of this model? (strict=False skips them)"
+                f"{_listing(missing)}. Is it a checkpoint of this model? (strict=False skips "
+                "them)"
             )
-        for view in views:
-            info = st.tensors.get(view.name)
-            if info is not None and tuple(info.shape) != tuple(view.shape):
-                raise CheckpointError(
-                    f"{view.name}: checkpoint shape {tuple(info.shape)} != model shape "
-                    f"{tuple(view.shape)}"
-                )
+        mismatched = [
+            f"{view.name} (checkpoint {tuple(info.shape)}, model {tuple(view.shape)})"
+            for view in views
+            if (info := st.tensors.get(view.name)) is not None
+            and tuple(info.shape) != tuple(view.shape)
+        ]
+        if mismatched:
+            raise CheckpointError(
+                f"step {st.step} in {path}: {len(mismatched)} tensor(s) have another shape "
+                f"than the model's: {_listing(mismatched)}. Is it a checkpoint of this model "
+                "(same configuration)?"
+            )
         # One batched read: every piece of storage this rank needs is fetched once, adjacent
         # pieces together, and lands in the engine's own memory where it can.
         requests, targets = [], []

@@ -119,10 +119,10 @@ def _check_not_wrapped(model: Any) -> None:
             "model for a new one (in a notebook, rebuild the model in the cell that builds "
             "the Engine)"
         )
-    if stage == 3:
+    if any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters()):
         raise ConfigError(
-            "this model was wrapped by a stage-3 Engine, which partitioned its parameters "
-            "(each rank kept only its shard); build a fresh model for a new Engine"
+            f"this model was wrapped by a stage-{stage} Engine, which partitioned its "
+            "parameters (each rank kept only its shard); build a fresh model for a new Engine"
         )
 
 
