@@ -42,6 +42,10 @@ def __getattr__(name: str):
         from zerostate import engine
 
         return getattr(engine, name)
+    if name == "SaveHandle":
+        from zerostate.checkpoint import SaveHandle
+
+        return SaveHandle
     if name == "check_storage":
         from zerostate.store.options import check_storage
 

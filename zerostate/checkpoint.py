@@ -417,7 +417,7 @@ class Checkpointer:
         # [Note: failing together] Rank 0 checks the target and picks a save id, every rank
         # finishes its previous save; one all-gather tells every rank the verdict of all
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
-        self._arrive(f"save of step {step}")
+        self._arrive("save")
         code, save_id, error, refusal = _OK, 0, None, None
         try:
             self.wait()  # one save in flight; surfaces a previous background failure
@@ -635,7 +635,7 @@ class Checkpointer:
     ) -> Any:
         self._check_open()
         stateful = _check_stateful(stateful, loading=True)
-        self._arrive(f"load from {path}")
+        self._arrive("load")
         error, st, restore, left = None, None, None, []
         try:
             self.wait()

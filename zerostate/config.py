@@ -309,3 +309,25 @@ def check_setting_names(kwargs: dict[str, Any]) -> None:
     for name in kwargs:
         if name not in known:
             raise unknown_setting(name, known)
+
+
+def field_docs() -> dict[str, tuple[str, str, str]]:
+    """``{field: (type, default, docstring)}`` of every EngineConfig field, read from the
+    source (the docstring under each field), for the API reference (docs/api.md)."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(EngineConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = inspect.cleandoc(str(after.value.value))
+    out = {}
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out[f.name] = (str(f.type), repr(default), docs.get(f.name, ""))
+    return out

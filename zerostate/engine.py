@@ -297,10 +297,12 @@ class Engine:
         if given:
             values = ", ".join(f"{f}={getattr(config, f)!r}" for f in given)
             name = type(optimizer).__name__ if not isinstance(optimizer, list) else "optimizer"
+            verb = "has" if len(given) == 1 else "have"
             raise ConfigError(
-                f"Engine got {values} together with optimizer={name}(...): those settings "
-                "only configure the built-in AdamW. Set them where you build the optimizer "
-                f"({name}(params, lr=...)) and drop them from Engine(...)"
+                f"Engine got {values} and optimizer={name}(...): {', '.join(given)} {verb} "
+                "no effect with optimizer= (they configure the built-in AdamW); set them "
+                f"where you build the optimizer ({name}(params, lr=...)) and drop them from "
+                "Engine(...)"
             )
         return resolve_user_optimizers(optimizer, list(model.named_parameters()))
 
