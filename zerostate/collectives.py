@@ -317,11 +317,20 @@ def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: floa
     base = f"zerostate/arrive/{_digest(ranks) & 0xFFFFFFFF:08x}"
     prefix = f"{base}/{seq}"
     keys = [f"{prefix}/{r}" for r in range(world_size)]
-    store.set(keys[rank], what)
-    verdict = _await_verdict(store, keys, f"{prefix}/verdict", timeout_s)
+    try:
+        store.set(keys[rank], what)
+        verdict = _await_verdict(store, keys, f"{prefix}/verdict", timeout_s)
+        calls = [store.get(k).decode() for k in keys] if verdict == "ok" else []
+    except NotImplementedError:
+        return  # a store without compare_set: the collectives themselves will have to do
+    except getattr(dist, "DistNetworkError", ConnectionError) as exc:
+        raise CollectiveTimeoutError(
+            f"{what}: lost the process group's key-value store while waiting for the other "
+            f"ranks ({exc}); the process hosting it (rank 0 under torchrun) has probably "
+            "exited, see its error"
+        ) from None
     _forget(store, f"{base}/{seq - 2}", rank)
     if verdict == "ok":
-        calls = [store.get(k).decode() for k in keys]
         differ = {r: c for r, c in enumerate(calls) if c != what}
         if differ:
             raise DistributedMismatchError(

@@ -239,3 +239,39 @@ def test_second_engine_on_the_same_model_is_refused() -> None:
     assert len(messages) == 2, messages
     assert "already wrapped by a zerostate Engine (stage 2)" in messages[0]
     assert "stage-3 Engine, which partitioned its parameters" in messages[1]
+
+
+def _progress_and_mismatched_calls(rank: int, world_size: int, root: str) -> dict:
+    from zerostate.errors import DistributedMismatchError
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("zerostate.engine")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    engine = zerostate.Engine(make_model(), stage=2, log_every=2, grad_accum_steps=2)
+    for s in range(4):
+        for micro in range(2):
+            x, y = batch(s, micro)
+            engine.backward(engine(local(x, rank, world_size), local(y, rank, world_size)))
+            engine.step()
+    try:  # ranks in different collective calls: both fail, naming both calls
+        engine.save(root) if rank == 0 else engine.full_state_dict()
+        mismatch = ""
+    except DistributedMismatchError as exc:
+        mismatch = str(exc)
+    zerostate.collectives.barrier(group=None)  # rank 0 hosts the store: let rank 1 finish
+    return {"lines": lines, "mismatch": mismatch}
+
+
+def test_progress_line_and_ranks_in_different_calls(tmp_path) -> None:
+    first, second = run_distributed(_progress_and_mismatched_calls, 2, str(tmp_path / "c"))
+    assert len(first["lines"]) == 2 and second["lines"] == []  # rank 0 only, every 2 steps
+    line = first["lines"][-1]
+    assert line.startswith("step 4, loss "), line
+    for part in ("step time", "samples/s", "tokens/s", "lr 0.001", "grad norm", "MiB/rank"):
+        assert part in line, line
+    for r in (first, second):
+        assert "called" in r["mismatch"] and "save" in r["mismatch"], r["mismatch"]
+        assert "full_state_dict" in r["mismatch"]
