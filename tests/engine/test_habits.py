@@ -275,3 +275,21 @@ def test_progress_line_and_ranks_in_different_calls(tmp_path) -> None:
     for r in (first, second):
         assert "called" in r["mismatch"] and "save" in r["mismatch"], r["mismatch"]
         assert "full_state_dict" in r["mismatch"]
+
+
+def _shape_mismatch(rank: int, world_size: int, root: str) -> str:
+    zerostate.Engine(make_model(), stage=1).save(root)
+    wider = zerostate.Engine(make_model(n_embd=48), stage=1)
+    try:
+        wider.load(root)
+    except CheckpointError as exc:
+        return str(exc)
+    return ""
+
+
+def test_shape_mismatch_lists_every_tensor(tmp_path) -> None:
+    message = run_distributed(_shape_mismatch, 1, str(tmp_path / "ckpt"))[0]
+    count = int(message.split(": ")[1].split(" tensor(s)")[0])
+    assert count > 10 and f"and {count - 10} more" in message, message
+    assert message.count("(checkpoint (") == 10, message
+    assert "model/transformer.wte.weight (checkpoint (64, 32), model (64, 48))" in message
