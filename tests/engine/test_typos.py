@@ -100,3 +100,11 @@ def test_check_storage_accepts_a_local_root(tmp_path) -> None:
     assert (tmp_path / "run").is_dir() and location.endswith("/run")
     with pytest.raises(ConfigError, match="local path"):
         zerostate.check_storage(str(tmp_path / "run"), {"anon": True})
+
+
+@pytest.mark.parametrize("text", ["bf16", "bfloat16", "torch.bfloat16", "BFloat16"])
+def test_consolidate_dtype_spellings(text: str) -> None:
+    from zerostate_cli.main import build_parser
+
+    args = build_parser().parse_args(["consolidate", "ckpt", "out", "--dtype", text])
+    assert args.dtype == torch.bfloat16

@@ -109,13 +109,14 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``fp32``/``bf16``/``fp16`` (or the torch dtype); ``None`` keeps the stored dtype."""
+    """``fp32``/``bf16``/``fp16``, their long names (``bfloat16``, ``torch.bfloat16``) or the
+    torch dtype; ``None`` keeps the stored dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
         if dtype is not None and dtype not in _DTYPE_NAMES.values():
             raise ConfigError(f"dtype must be fp32, bf16 or fp16, got {dtype}")
         return dtype
     try:
-        return _DTYPE_NAMES[str(dtype).lower()]
+        return _DTYPE_NAMES[str(dtype).lower().strip().removeprefix("torch.")]
     except KeyError:
         raise ConfigError(f"dtype must be fp32, bf16 or fp16, got {dtype!r}") from None
 
