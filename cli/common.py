@@ -97,59 +97,16 @@ def parse_storage_options(
     return options
 
 
-#: Accepted by every fsspec filesystem (instance and listings caches), not in signatures.
-_FSSPEC_COMMON = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
-
-
 def check_storage_options(url: str, options: dict[str, Any] | None, flag: str) -> None:
     """Refuse (exit 2) options the filesystem of ``url`` would reject only once it
-    connects: an unknown key (``endpoint-url``), a non-dict ``*_kwargs``, a non-boolean
-    switch (``anon=yes``), options for a local path."""
-    if not options:
-        return
-    protocol, sep, _ = url.partition("://")
-    if not sep or protocol.lower() in ("file", "local"):
-        raise CliError(
-            f"{flag} applies to URLs (s3://...) only, and {url!r} is a local path: drop it",
-            exit_code=2,
-        )
-    import difflib
-    import inspect
+    connects: an unknown key (``endpoint-url``, ``client_kwargs.endpoint-url``), a
+    non-dict ``*_kwargs``, a non-boolean switch (``anon=yes``), options for a local path."""
+    from zerostate.store.options import validate_storage_options
 
-    import fsspec
-
-    protocol = protocol.split("::")[-1].lower()
     try:
-        cls = fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError) as exc:
-        raise CliError(f"cannot use {url!r}: {exc}", exit_code=2) from None
-    params: dict[str, inspect.Parameter] = {}
-    for klass in reversed(cls.__mro__):
-        init = klass.__dict__.get("__init__")
-        try:
-            signature = inspect.signature(init) if init is not None else None
-        except (TypeError, ValueError):
-            signature = None
-        for p in signature.parameters.values() if signature else ():
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self":
-                params[p.name] = p
-    known = set(params) | _FSSPEC_COMMON
-    for key, value in options.items():
-        if key not in known:
-            close = difflib.get_close_matches(key.replace("-", "_"), sorted(known), n=1)
-            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(known))}"
-            raise CliError(f"{flag} {key}: {protocol}:// takes no option {key!r}; {hint}", 2)
-        default = params[key].default if key in params else None
-        if key.endswith("_kwargs") and not isinstance(value, dict):
-            raise CliError(
-                f"{flag} {key}={json.dumps(value)} must be a JSON object, e.g. "
-                f'{key}=\'{{"region_name": "us-east-1"}}\' or {key}.region_name=us-east-1',
-                exit_code=2,
-            )
-        if isinstance(default, bool) and not isinstance(value, bool):
-            raise CliError(f"{flag} {key}={value!r} must be true or false", exit_code=2)
-        if type(default) is int and (type(value) is not int):
-            raise CliError(f"{flag} {key}={value!r} must be a whole number", exit_code=2)
+        validate_storage_options(url, options)
+    except ConfigError as exc:
+        raise CliError(f"{flag} {exc}", exit_code=2) from None
 
 
 def storage_options(

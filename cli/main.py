@@ -13,6 +13,7 @@ and usage errors stay fast.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import NoReturn
@@ -33,7 +34,32 @@ COMMANDS = (cmd_consolidate, cmd_inspect, cmd_verify, cmd_reshard, cmd_estimate)
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the help is one ``--help`` away)."""
+    """argparse, but a usage error is one line (the help is one ``--help`` away), and an
+    unknown flag gets the closest one the command takes (``--dtpye``: ``--dtype``)."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._unknown(parsed, extras)
+        return parsed
+
+    def _unknown(self, parsed: argparse.Namespace, extras: list[str]) -> NoReturn:
+        sub = self._subparser(getattr(parsed, "command", None))
+        target = sub if sub is not None else self
+        flags = [o for a in target._actions for o in a.option_strings if o.startswith("--")]
+        for extra in extras:
+            flag = extra.split("=", 1)[0]
+            if flag.startswith("-"):
+                close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6)
+                if close:
+                    target.error(f"unrecognized argument {flag}; did you mean {close[0]}?")
+        target.error(f"unrecognized arguments: {' '.join(extras)}")
+
+    def _subparser(self, command: str | None) -> argparse.ArgumentParser | None:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+                return action.choices[command]
+        return None
 
     def error(self, message: str) -> NoReturn:
         command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
@@ -57,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _refuse_step_directory(getattr(args, "ckpt", None), args.command)
         return int(args.run(args) or 0)
     except BrokenPipeError:
         # The reader went away (`zerostate inspect CKPT | head`): stop quietly, as Unix tools
@@ -77,6 +104,22 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(
             f"{type(exc).__name__}: {exc} (unexpected; ZEROSTATE_DEBUG=1 shows the traceback)",
             1,
+        )
+
+
+def _refuse_step_directory(ckpt: str | None, command: str) -> None:
+    """CKPT is a root holding step-* directories; name the root when given one of them."""
+    if not ckpt:
+        return
+    from zerostate.store.format import parse_step_dir
+
+    head, _, name = ckpt.rstrip("/").rpartition("/")
+    step = parse_step_dir(name)
+    if step is not None:
+        root = head or "."
+        raise CliError(
+            f"CKPT {ckpt!r} is one step's directory; CKPT is the checkpoint root that holds "
+            f"the step-* directories: zerostate {command} {root} --step {step}"
         )
 
 

@@ -57,19 +57,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", type=Path, help="append one JSON line per step here (rank 0)")
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
-                   help="fsspec/s3fs option for an s3:// --ckpt, repeatable, as in the zerostate "
-                   "CLI (endpoint_url=..., client_kwargs.region_name=..., anon=true)")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec/s3fs option for an s3:// --ckpt, repeatable, as in the zerostate "
+        "CLI (endpoint_url=..., client_kwargs.region_name=..., anon=true)",
+    )
     args = p.parse_args(argv)
-    # The CLI's parser and checks: a typo (endpoint-url) is a usage error here, not a
-    # traceback from every rank at the first save.
-    from zerostate_cli.common import CliError, check_storage_options, parse_storage_options
+    # The CLI's KEY=VALUE parser, then zerostate.check_storage: a typo in an option
+    # (endpoint-url, client_kwargs.endpoint-url) is a usage error here, and a missing
+    # bucket is found now, not after the first --save-every steps of training.
+    from zerostate_cli.common import CliError, parse_storage_options
 
     try:
         args.storage_options = parse_storage_options(args.storage_option)
-        check_storage_options(args.ckpt, args.storage_options, "--storage-option")
-    except CliError as exc:
-        p.error(str(exc))
+        if args.save_every or args.resume or args.storage_options:
+            zerostate.check_storage(args.ckpt, args.storage_options)
+    except (CliError, zerostate.ConfigError) as exc:
+        p.error(f"--storage-option: {exc}" if isinstance(exc, zerostate.ConfigError) else str(exc))
+    except zerostate.ZerostateError as exc:
+        raise SystemExit(f"zerostate: cannot use --ckpt {args.ckpt}: {exc}") from None
     return args
 
 
@@ -84,8 +92,9 @@ def init_distributed() -> None:
         # After `torchrun --max-restarts` restarts the workers they meet in the same agent
         # store, where the dead group's addresses are still registered (gloo then dials
         # them and times out). A per-attempt key prefix gives each attempt a clean slate.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False
+        )
         dist.init_process_group(
             backend, store=dist.PrefixStore(f"attempt-{attempt}/", store),
             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
@@ -96,8 +105,9 @@ def init_distributed() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def batch_for_step(data: torch.Tensor, step: int, args: argparse.Namespace, rank: int,
-                   world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_for_step(
+    data: torch.Tensor, step: int, args: argparse.Namespace, rank: int, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     if args.global_batch % world_size:
         raise SystemExit(
             f"--global-batch {args.global_batch} must be divisible by the world size {world_size}"
@@ -118,26 +128,27 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
-    if "://" in args.ckpt and (args.save_every or args.resume):
-        # Reach the bucket now, not after the first --save-every steps of training.
-        from zerostate.store.storage import open_storage
-
-        try:
-            open_storage(args.ckpt, args.storage_options).check_readable()
-        except zerostate.ZerostateError as exc:
-            raise SystemExit(f"zerostate: cannot use --ckpt {args.ckpt}: {exc}") from None
-
     raw = args.data.read_bytes()
     if len(raw) < args.seq_len + 2:
         raise SystemExit(f"{args.data} is too short for --seq-len {args.seq_len}")
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
     torch.manual_seed(args.seed)
-    cfg = GPT2Config(vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd,
-                     n_layer=args.n_layer, n_head=args.n_head)
+    cfg = GPT2Config(
+        vocab_size=256,
+        n_positions=args.seq_len,
+        n_embd=args.n_embd,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+    )
     model = GPT2(cfg).to(device)
-    engine = zerostate.Engine(model, stage=args.stage, lr=args.lr, precision=args.precision,
-                              weight_decay=args.weight_decay)
+    engine = zerostate.Engine(
+        model,
+        stage=args.stage,
+        lr=args.lr,
+        precision=args.precision,
+        weight_decay=args.weight_decay,
+    )
 
     step = 0
     if args.resume:
@@ -186,9 +197,14 @@ def main(argv: list[str] | None = None) -> int:
                 with args.log_json.open("a") as f:
                     f.write(json.dumps(record) + "\n")
         if args.save_every and (step % args.save_every == 0 or step == args.steps):
-            handle = engine.save(args.ckpt, step=step, blocking=not args.async_save,
-                                 client_state={"next_step": step}, keep_last=args.keep_last,
-                                 storage_options=args.storage_options)
+            handle = engine.save(
+                args.ckpt,
+                step=step,
+                blocking=not args.async_save,
+                client_state={"next_step": step},
+                keep_last=args.keep_last,
+                storage_options=args.storage_options,
+            )
             if rank == 0 and not args.async_save:
                 print(f"saved step {step} to {args.ckpt} ({handle.blocked_s:.2f} s)", flush=True)
     if handle is not None:

@@ -3,6 +3,7 @@
 from zerostate.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CollectiveTimeoutError,
     CommitTimeoutError,
     ConfigError,
     CorruptCheckpointError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CollectiveTimeoutError",
     "CommitTimeoutError",
     "ConfigError",
     "CorruptCheckpointError",
@@ -29,6 +31,7 @@ __all__ = [
     "UnsafeNameError",
     "ZerostateError",
     "__version__",
+    "check_storage",
 ]
 
 
@@ -39,4 +42,12 @@ def __getattr__(name: str):
         from zerostate import engine
 
         return getattr(engine, name)
+    if name == "SaveHandle":
+        from zerostate.checkpoint import SaveHandle
+
+        return SaveHandle
+    if name == "check_storage":
+        from zerostate.store.options import check_storage
+
+        return check_storage
     raise AttributeError(f"module 'zerostate' has no attribute {name!r}")

@@ -71,7 +71,7 @@ from zerostate.store import (
 log = logging.getLogger(__name__)
 
 # Codes ranks exchange before and during a save (see [Note: failing together]).
-_OK, _FAILED, _EXISTS, _REFUSED = 0, 1, 2, 3
+_OK, _FAILED, _EXISTS, _REFUSED, _NEWER = 0, 1, 2, 3, 4
 
 #: Default seconds a rank waits for the others while committing a step.
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
@@ -169,6 +169,50 @@ def _json_checked(value: Any, what: str) -> Any:
     return value
 
 
+def _transformers_config(module: Any) -> dict | None:
+    """A Hugging Face model's ``config.json`` content (what ``from_pretrained`` needs beside
+    the weights), or None for other models."""
+    module = getattr(module, "_orig_mod", module)  # torch.compile
+    config = getattr(module, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json) or not callable(getattr(module, "save_pretrained", None)):
+        return None
+    try:
+        data = json.loads(to_json(use_diff=False))
+    except (TypeError, ValueError) as exc:
+        log.warning("zerostate: not recording the model's config (not JSON): %s", exc)
+        return None
+    if isinstance(data, dict) and not data.get("architectures"):
+        data["architectures"] = [type(module).__name__]  # as save_pretrained records it
+    return data if isinstance(data, dict) else None
+
+
+#: Names an error lists before it only counts the rest.
+LISTED_NAMES = 10
+
+
+def _listing(names: list[str]) -> str:
+    """The first :data:`LISTED_NAMES` of ``names``, then how many more there are."""
+    shown = ", ".join(names[:LISTED_NAMES])
+    rest = len(names) - LISTED_NAMES
+    return f"{shown} and {rest} more" if rest > 0 else shown
+
+
+def _left_behind(st: Any, stateful: dict, world_size: int) -> list[str]:
+    """What step ``st`` saved that a load with ``stateful`` at ``world_size`` does not restore."""
+    shared, per_rank = st.attrs.get("stateful"), st.attrs.get("stateful_per_rank")
+    saved = {n for n in shared if isinstance(n, str)} if isinstance(shared, dict) else set()
+    if isinstance(per_rank, list):
+        saved |= {n for n in per_rank if isinstance(n, str)}
+    left = [f"stateful[{name!r}]" for name in sorted(saved - set(stateful))]
+    if st.world_size != world_size:
+        left.append(
+            f"RNG states of {st.world_size} ranks (restored only at the same world size; "
+            f"this run has {world_size})"
+        )
+    return left
+
+
 class Checkpointer:
     """Saves and loads one engine's state. Created by the engine; use ``engine.save``."""
 
@@ -185,6 +229,9 @@ class Checkpointer:
         self._snapshot_ready = threading.Event()
         self._snapshot_ready.set()
         self._checked_roots: set[str] = set()  # see [Note: save target] in adapt.py
+        # Roots this engine loaded from or committed to: saving an older step there is
+        # resuming or rewinding this run, not landing beside another run's steps.
+        self._own_roots: set[str] = set()
         #: Seconds the training thread waited in before_update() for async snapshots.
         self.stall_s = 0.0
         self._closed = False
@@ -209,8 +256,16 @@ class Checkpointer:
 
     def _agree(self, error: BaseException | None, what: str) -> None:
         """See [Note: failing together]: every rank learns whether any rank failed."""
-        rows = self._exchange([_FAILED if error is not None else _OK])
-        self._raise_if_failed(error, [row[0] == _FAILED for row in rows], what)
+        collectives.agree(
+            error,
+            what,
+            group=self.engine.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.engine.device,
+            error_cls=CheckpointError,
+            note=" and nothing was committed",
+        )
 
     def _raise_if_failed(self, error: BaseException | None, failed: list[bool], what: str) -> None:
         if error is not None:
@@ -336,6 +391,7 @@ class Checkpointer:
         storage_options: dict | None = None,
         progress: Callable[[int], None] | None = None,
         stateful: dict | None = None,
+        allow_older_step: bool = False,
     ) -> SaveHandle:
         start = time.perf_counter()
         self._check_open()
@@ -355,9 +411,13 @@ class Checkpointer:
             "client_state": _json_checked(client_state, "client_state"),
             "saved_at_unix": time.time(),
         }
+        model_config = _transformers_config(self.engine.module)
+        if model_config is not None:
+            attrs["model_config"] = model_config  # consolidate writes it as config.json
         # [Note: failing together] Rank 0 checks the target and picks a save id, every rank
         # finishes its previous save; one all-gather tells every rank the verdict of all
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
+        self._arrive("save")
         code, save_id, error, refusal = _OK, 0, None, None
         try:
             self.wait()  # one save in flight; surfaces a previous background failure
@@ -366,7 +426,11 @@ class Checkpointer:
                 code = _REFUSED
             elif self.rank == 0:
                 save_id = secrets.randbits(62)
-                if open_checkpoint(path, storage_options=storage_options).is_committed(step):
+                ckpt = open_checkpoint(path, storage_options=storage_options)
+                newer = None if allow_older_step else self._newer_step(ckpt, path, step)
+                if newer is not None:
+                    code, save_id = _NEWER, newer
+                elif ckpt.is_committed(step):
                     code = _EXISTS
                 else:
                     remove_partial_steps(path, storage_options=storage_options, only_step=step)
@@ -395,6 +459,14 @@ class Checkpointer:
         code, save_id = rows[0][0], rows[0][1]
         if code == _REFUSED:
             raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
+        if code == _NEWER:
+            raise ConfigError(
+                f"{path} already holds committed step {save_id}, newer than step {step} being "
+                f"saved, and this engine did not load from {path}: it looks like another "
+                "run's checkpoint, and a later load would resume that run's step "
+                f"{save_id}. Call engine.load({path!r}) first to continue that run, save "
+                "into a new directory, or pass allow_older_step=True to save beside it"
+            )
         if code == _EXISTS:
             raise StepExistsError(
                 f"step {step} is already committed in {path}; save under another step number "
@@ -440,6 +512,7 @@ class Checkpointer:
             except Exception as exc:
                 error = exc
             self._agree(error, f"committing step {step}")
+            self._remember_root(path)
             return SaveHandle(step, path, None, time.perf_counter() - start)
 
         def finish() -> None:
@@ -458,6 +531,7 @@ class Checkpointer:
 
         if self._state.executor is None:
             self._state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
+        self._remember_root(path)
         future = self._state.executor.submit(finish)
         handle = SaveHandle(step, path, future, time.perf_counter() - start)
         with self._lock:
@@ -483,6 +557,34 @@ class Checkpointer:
         if refusal is None:
             self._checked_roots.add(location)
         return refusal
+
+    def _newer_step(self, ckpt: Any, path: str, step: int) -> int | None:
+        """Rank 0: the root's latest committed step when it is newer than ``step`` and this
+        engine neither loaded from nor saved to the root (another run's checkpoint)."""
+        from zerostate.store.storage import canonical_location
+
+        if canonical_location(path) in self._own_roots:
+            return None
+        steps = ckpt.steps()
+        return steps[-1] if steps and steps[-1] > step else None
+
+    def _arrive(self, what: str) -> None:
+        """See [Note: arrival deadline] in zerostate.collectives."""
+        collectives.arrive(
+            what,
+            group=self.engine.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.engine.config.collective_timeout_s,
+        )
+
+    def _remember_root(self, path: str) -> None:
+        from zerostate.store.storage import canonical_location
+
+        try:
+            self._own_roots.add(canonical_location(path))
+        except ZerostateError:
+            pass
 
     @staticmethod
     def _retain(path: str, step: int, keep_last: int | None, storage_options: dict | None) -> None:
@@ -529,15 +631,23 @@ class Checkpointer:
         storage_options: dict | None = None,
         strict: bool = True,
         stateful: dict | None = None,
+        strict_state: bool = False,
     ) -> Any:
         self._check_open()
         stateful = _check_stateful(stateful, loading=True)
-        error, st, restore = None, None, None
+        self._arrive("load")
+        error, st, restore, left = None, None, None, []
         try:
             self.wait()
             self.before_update()
             st = self._read_step(path, step, storage_options, strict)
             restore = self._saved_rank_state(st, stateful, strict)
+            left = _left_behind(st, stateful, self.world_size)
+            if left and strict_state:
+                raise CheckpointError(
+                    f"step {st.step} in {path} holds state this load was not asked to "
+                    f"restore: {'; '.join(left)} (strict_state=True)"
+                )
         except Exception as exc:
             error = exc
         # Every rank must know before the collectives below whether all ranks read their
@@ -550,6 +660,16 @@ class Checkpointer:
         for name, value in objects.items():
             stateful[name].load_state_dict(value)
         self._barrier()
+        self._remember_root(path)
+        if left and self.rank == 0:
+            log.warning(
+                "zerostate: loaded step %d from %s but left saved state unrestored: %s. "
+                "Pass it to load(stateful={...}) to restore it, or strict_state=True to make "
+                "this an error",
+                st.step,
+                path,
+                "; ".join(left),
+            )
         return st.attrs.get("client_state")
 
     def _read_step(
@@ -565,18 +685,23 @@ class Checkpointer:
 
             report_skipped(path, st.step, [v.name for v in views], st.tensors)
         if missing and strict:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise CheckpointError(
                 f"step {st.step} in {path} lacks {len(missing)} tensor(s) the model needs: "
-                f"{shown}. Is it a checkpoint of this model? (strict=False skips them)"
+                f"{_listing(missing)}. Is it a checkpoint of this model? (strict=False skips "
+                "them)"
             )
-        for view in views:
-            info = st.tensors.get(view.name)
-            if info is not None and tuple(info.shape) != tuple(view.shape):
-                raise CheckpointError(
-                    f"{view.name}: checkpoint shape {tuple(info.shape)} != model shape "
-                    f"{tuple(view.shape)}"
-                )
+        mismatched = [
+            f"{view.name} (checkpoint {tuple(info.shape)}, model {tuple(view.shape)})"
+            for view in views
+            if (info := st.tensors.get(view.name)) is not None
+            and tuple(info.shape) != tuple(view.shape)
+        ]
+        if mismatched:
+            raise CheckpointError(
+                f"step {st.step} in {path}: {len(mismatched)} tensor(s) have another shape "
+                f"than the model's: {_listing(mismatched)}. Is it a checkpoint of this model "
+                "(same configuration)?"
+            )
         # One batched read: every piece of storage this rank needs is fetched once, adjacent
         # pieces together, and lands in the engine's own memory where it can.
         requests, targets = [], []

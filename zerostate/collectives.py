@@ -15,6 +15,7 @@ padding included. Collectives that are not part of training (engine construction
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -271,3 +272,132 @@ def check_agreement(
                 "same model (same parameter names, shapes, dtypes, requires_grad) with the "
                 "same Engine settings on every rank"
             )
+
+
+# -- arrival and agreement ---------------------------------------------------------------
+# [Note: arrival deadline]
+# A collective call (save, load, full_state_dict) entered by only some ranks would block
+# them inside the first torch collective until the process group's timeout (30 minutes by
+# default, and NCCL may never return). So each such call first announces itself in the
+# process group's key-value store (the TCPStore torchrun and init_process_group set up),
+# outside the group's collectives, and waits for every rank's announcement with a
+# deadline. The verdict is decided once, atomically (compare_set on one key): "ok" when
+# every rank announced, else the list of ranks missing at the deadline. Every rank abides
+# by the stored verdict, so a rank arriving just after another gave up fails too instead of
+# entering a collective alone. Calls are numbered per group on each rank; a rank that never
+# entered one call fails its next call against the stale verdict, which puts the numbering
+# back in step. Each rank names its call, so ranks in different calls (one in save, one in
+# load) fail with a message naming both.
+
+_ARRIVALS: dict[tuple[int, ...], int] = {}
+
+
+def _kv_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _group_ranks(group: Any, world_size: int) -> tuple[int, ...]:
+    if group is None:
+        return tuple(range(world_size))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait until every rank of ``group`` entered call ``what``; see [Note: arrival deadline].
+
+    Raises :class:`~zerostate.errors.CollectiveTimeoutError` on every rank that entered
+    when some rank did not within ``timeout_s`` seconds, and
+    :class:`~zerostate.errors.DistributedMismatchError` when ranks entered different calls.
+    """
+    from zerostate.errors import CollectiveTimeoutError
+
+    store = _kv_store() if is_initialized() else None
+    if store is None:
+        return
+    ranks = _group_ranks(group, world_size)
+    seq = _ARRIVALS.get(ranks, 0) + 1
+    _ARRIVALS[ranks] = seq
+    base = f"zerostate/arrive/{_digest(ranks) & 0xFFFFFFFF:08x}"
+    prefix = f"{base}/{seq}"
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    try:
+        store.set(keys[rank], what)
+        verdict = _await_verdict(store, keys, f"{prefix}/verdict", timeout_s)
+        calls = [store.get(k).decode() for k in keys] if verdict == "ok" else []
+    except NotImplementedError:
+        return  # a store without compare_set: the collectives themselves will have to do
+    except getattr(dist, "DistNetworkError", ConnectionError) as exc:
+        raise CollectiveTimeoutError(
+            f"{what}: lost the process group's key-value store while waiting for the other "
+            f"ranks ({exc}); the process hosting it (rank 0 under torchrun) has probably "
+            "exited, see its error"
+        ) from None
+    _forget(store, f"{base}/{seq - 2}", rank)
+    if verdict == "ok":
+        differ = {r: c for r, c in enumerate(calls) if c != what}
+        if differ:
+            raise DistributedMismatchError(
+                f"rank {rank} called {what} while rank(s) {sorted(differ)} called "
+                f"{sorted(set(differ.values()))}; every rank must make the same collective "
+                "calls in the same order"
+            )
+        return
+    missing = verdict.removeprefix("missing:")
+    raise CollectiveTimeoutError(
+        f"{what} is collective, but rank(s) {missing} of {world_size} did not enter it within "
+        f"{timeout_s:g} s (rank {rank} did); call it on every rank (not under `if rank == "
+        "0:`), or raise collective_timeout_s if those ranks are just slow"
+    )
+
+
+def _await_verdict(store: Any, keys: list[str], verdict_key: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    pause = 0.002
+    while True:
+        if store.check(keys):
+            return store.compare_set(verdict_key, "", "ok").decode()
+        if store.check([verdict_key]):
+            return store.get(verdict_key).decode()
+        if time.monotonic() >= deadline:
+            missing = ",".join(str(r) for r, k in enumerate(keys) if not store.check([k]))
+            return store.compare_set(verdict_key, "", f"missing:{missing}").decode()
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
+
+
+def _forget(store: Any, old_prefix: str, rank: int) -> None:
+    # Every rank has left call seq - 2 once anyone passed call seq - 1's verdict.
+    try:
+        store.delete_key(f"{old_prefix}/{rank}")
+        if rank == 0:
+            store.delete_key(f"{old_prefix}/verdict")
+    except (RuntimeError, NotImplementedError):
+        pass
+
+
+def agree(
+    error: BaseException | None,
+    what: str,
+    *,
+    group: Any,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    error_cls: type[Exception],
+    note: str = "",
+) -> None:
+    """Every rank learns whether any rank failed ``what``: one all-gather of a flag. The
+    failing rank re-raises ``error``; the others raise ``error_cls`` naming the failed
+    rank(s), followed by ``note``. Without a process group only ``error`` matters."""
+    rows = exchange([0 if error is None else 1], group=group, world_size=world_size, device=device)
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        raise error_cls(
+            f"{what} failed on rank(s) {failed} (see the error rank {failed[0]} raised); "
+            f"rank {rank}'s part succeeded{note}"
+        )

@@ -7,6 +7,7 @@ construction, so ranks configured differently fail together instead of hanging l
 
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
 from collections.abc import Callable
@@ -25,6 +26,43 @@ PRECISIONS: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 STAGES = (0, 1, 2, 3)
+#: Other spellings of a precision: long names, torch's names, and the dtypes themselves.
+_PRECISION_ALIASES: dict[Any, str] = {
+    **{name: name for name in PRECISIONS},
+    **{dtype: name for name, dtype in PRECISIONS.items()},
+    **{str(dtype): name for name, dtype in PRECISIONS.items()},  # "torch.bfloat16"
+    **{str(dtype).removeprefix("torch."): name for name, dtype in PRECISIONS.items()},
+    "float": "fp32",
+    "half": "fp16",
+}
+
+#: Settings of other trainers (DeepSpeed config keys, FSDP and Hugging Face arguments) that
+#: users pass out of habit, and the EngineConfig setting that does that job here.
+SETTING_ALIASES: dict[str, str] = {
+    "gradient_accumulation_steps": "grad_accum_steps",
+    "grad_accumulation_steps": "grad_accum_steps",
+    "accumulation_steps": "grad_accum_steps",
+    "gradient_clipping": "grad_clip",
+    "max_grad_norm": "grad_clip",
+    "clip_grad_norm": "grad_clip",
+    "learning_rate": "lr",
+    "zero_stage": "stage",
+    "zero_optimization": "stage",
+    "mixed_precision": "precision",
+    "dtype": "precision",
+    "param_dtype": "precision",
+    "fp16": 'precision="fp16"',
+    "bf16": 'precision="bf16"',
+    "reduce_bucket_size": "bucket_mb",
+    "allgather_bucket_size": "bucket_mb",
+    "process_group": "group",
+    "param_init_fn": "init_fn",
+    "auto_wrap_policy": "unit_policy",
+    "steps_per_print": "log_every",
+    "logging_steps": "log_every",
+    "forward_prefetch": "prefetch",
+    "seed": "init_seed",
+}
 
 
 def _is_int(value: Any) -> bool:
@@ -44,8 +82,9 @@ class EngineConfig:
     lr: float = 1e-3
     """AdamW learning rate."""
     precision: str = "fp32"
-    """Working dtype of parameters, gradients and communication: fp32, bf16 or fp16.
-    Master weights and optimizer states are always fp32."""
+    """Working dtype of parameters, gradients and communication: fp32, bf16 or fp16 (also
+    spelled ``torch.bfloat16``, ``"bfloat16"``, ``"float32"``, ...; stored as the short
+    name). Master weights and optimizer states are always fp32."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW moment decay rates, each in [0, 1)."""
     eps: float = 1e-8
@@ -111,14 +150,22 @@ class EngineConfig:
     ``MixedPrecisionPolicy(cast_forward_inputs=True)`` does: a bf16 model takes fp32
     inputs. Integer tensors (token ids, masks) are never cast. False passes inputs as
     given."""
+    collective_timeout_s: float = 300.0
+    """Seconds a rank waits in ``save``, ``load`` and ``full_state_dict`` for every other
+    rank to enter the same call. Past it, every rank that entered raises
+    :class:`~zerostate.errors.CollectiveTimeoutError` naming the call and the ranks that
+    did not join (a ``save`` under ``if rank == 0:``), instead of hanging until the
+    process group's timeout."""
+    log_every: int | None = None
+    """Log one progress line (``logging`` at INFO, logger ``zerostate.engine``) every this
+    many optimizer steps: step, step time, samples/s (and tokens/s when a batch's token
+    count is known), loss when given to ``step(loss=...)``, memory. None (default) logs
+    nothing, as DeepSpeed's ``steps_per_print``."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
             raise ConfigError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(
-                f"precision={self.precision!r} is unknown; use one of {sorted(PRECISIONS)}"
-            )
+        self.precision = _precision_name("precision", self.precision, allow_none=False)
         if not _is_real(self.lr) or self.lr < 0:
             raise ConfigError(f"lr={self.lr!r} must be a finite number >= 0")
         if (
@@ -138,10 +185,16 @@ class EngineConfig:
             raise ConfigError(f"grad_clip={self.grad_clip!r} must be > 0, or None to disable")
         if not _is_int(self.grad_accum_steps) or self.grad_accum_steps < 1:
             raise ConfigError(f"grad_accum_steps={self.grad_accum_steps!r} must be an integer >= 1")
-        if self.reduce_dtype is not None and self.reduce_dtype not in PRECISIONS:
+        self.reduce_dtype = _precision_name("reduce_dtype", self.reduce_dtype, allow_none=True)
+        if not _is_real(self.collective_timeout_s) or self.collective_timeout_s <= 0:
             raise ConfigError(
-                f"reduce_dtype={self.reduce_dtype!r} is unknown; use one of "
-                f"{sorted(PRECISIONS)}, or None for fp32"
+                f"collective_timeout_s={self.collective_timeout_s!r} must be a number of "
+                "seconds > 0 (default 300)"
+            )
+        if self.log_every is not None and (not _is_int(self.log_every) or self.log_every < 1):
+            raise ConfigError(
+                f"log_every={self.log_every!r} must be an integer >= 1 (steps between "
+                "progress lines), or None for no progress log"
             )
         if self.min_shard_numel is not None:
             if not _is_int(self.min_shard_numel) or self.min_shard_numel < 1:
@@ -228,3 +281,74 @@ class EngineConfig:
             "sync_module_states": self.sync_module_states,
             "cast_forward_inputs": self.cast_forward_inputs,
         }
+
+
+def _precision_name(field: str, value: Any, *, allow_none: bool) -> str | None:
+    """``fp32`` / ``bf16`` / ``fp16`` from any accepted spelling (``torch.bfloat16``,
+    ``"bfloat16"``, ``"float32"``, ``"torch.float16"``)."""
+    if value is None and allow_none:
+        return None
+    key = value.lower().strip() if isinstance(value, str) else value
+    try:
+        name = _PRECISION_ALIASES.get(key)
+    except TypeError:  # unhashable
+        name = None
+    if name is None:
+        extra = ", or None for fp32" if allow_none else ""
+        raise ConfigError(
+            f"{field}={value!r} is unknown; use one of {sorted(PRECISIONS)} (or torch.float32, "
+            f"torch.bfloat16, torch.float16, 'bfloat16', ...){extra}"
+        )
+    return name
+
+
+def field_names() -> list[str]:
+    """Every EngineConfig field, in declaration order."""
+    return list(EngineConfig.__dataclass_fields__)
+
+
+def unknown_setting(name: str, known: list[str] | None = None) -> ConfigError:
+    """The error for a keyword ``Engine`` does not take, with the closest setting (a typo)
+    or the one that does the job of another trainer's setting (``gradient_accumulation_steps``)."""
+    known = field_names() if known is None else known
+    alias = SETTING_ALIASES.get(name)
+    if alias is not None and alias.split("=")[0] in known:
+        hint = f"did you mean {alias if '=' in alias else alias + '='}?"
+    else:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = (
+            f"did you mean {close[0]}=?"
+            if close
+            else "see zerostate.EngineConfig (docs/api.md) for every setting"
+        )
+    return ConfigError(f"Engine got an unknown setting {name}=; {hint}")
+
+
+def check_setting_names(kwargs: dict[str, Any]) -> None:
+    """Raise :func:`unknown_setting` for the first keyword that is no EngineConfig field."""
+    known = field_names()
+    for name in kwargs:
+        if name not in known:
+            raise unknown_setting(name, known)
+
+
+def field_docs() -> dict[str, tuple[str, str, str]]:
+    """``{field: (type, default, docstring)}`` of every EngineConfig field, read from the
+    source (the docstring under each field), for the API reference (docs/api.md)."""
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(EngineConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = inspect.cleandoc(str(after.value.value))
+    out = {}
+    for f in dataclasses.fields(EngineConfig):
+        default = f.default if f.default is not dataclasses.MISSING else None
+        out[f.name] = (str(f.type), repr(default), docs.get(f.name, ""))
+    return out

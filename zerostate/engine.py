@@ -34,12 +34,19 @@ from torch import nn
 from zerostate import adapt, collectives
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
-from zerostate.config import EngineConfig
+from zerostate.config import EngineConfig, check_setting_names
 from zerostate.errors import ConfigError, ZerostateError
-from zerostate.optim import ShardedOptimizer, describe, resolve_user_optimizers, sum_of_squares
+from zerostate.optim import (
+    ShardedOptimizer,
+    describe,
+    link_user_optimizers,
+    resolve_user_optimizers,
+    sum_of_squares,
+)
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
+from zerostate.progress import ProgressLog
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
 
@@ -58,6 +65,7 @@ class EngineUsageError(ZerostateError, RuntimeError):
 
 
 def _build_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
+    check_setting_names(kwargs)  # a typo or another trainer's name gets a did-you-mean
     if config is None:
         return EngineConfig(**kwargs)
     if not isinstance(config, EngineConfig):
@@ -91,6 +99,35 @@ def _validate_model(model: Any, config: EngineConfig) -> None:
             f"the model is on the meta device, which only stage 3 can materialise shard by "
             f"shard (stage={config.stage}); use stage=3 or build the model on a real device"
         )
+
+
+#: Attribute an Engine leaves on its model: ``(weakref to the engine, stage)``.
+_WRAPPED_BY = "_zerostate_wrapped_by"
+
+
+def _check_not_wrapped(model: Any) -> None:
+    """Refuse a model another Engine already wraps (a re-run notebook cell, say): that
+    engine's hooks and, at stage 3, its partitioning of the parameters stay on the model."""
+    mark = getattr(model, "__dict__", {}).get(_WRAPPED_BY)
+    if mark is None:
+        return
+    ref, stage = mark
+    if ref() is not None:
+        raise ConfigError(
+            f"this model is already wrapped by a zerostate Engine (stage {stage}), which owns "
+            "its parameters and gradient hooks; keep using that engine, or build a fresh "
+            "model for a new one (in a notebook, rebuild the model in the cell that builds "
+            "the Engine)"
+        )
+    if any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters()):
+        raise ConfigError(
+            f"this model was wrapped by a stage-{stage} Engine, which partitioned its "
+            "parameters (each rank kept only its shard); build a fresh model for a new Engine"
+        )
+
+
+def _mark_wrapped(model: nn.Module, engine: Engine) -> None:
+    object.__setattr__(model, _WRAPPED_BY, (weakref.ref(engine), engine.stage))
 
 
 def _model_aspects(model: nn.Module, config: EngineConfig | None) -> dict[str, Any]:
@@ -164,6 +201,7 @@ class Engine:
         self.rank, self.world_size = collectives.group_info(group)
         if error is None:
             try:
+                _check_not_wrapped(model)
                 _validate_model(model, config)
             except ZerostateError as exc:
                 error = exc
@@ -227,6 +265,9 @@ class Engine:
         # Names whose values no initialiser wrote ([Note: unset state], runtime/init.py).
         self._unset: set[str] = set(self._runtime.unset)
         self._optimizer = self._build_optimizer()
+        link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
+        _mark_wrapped(model, self)
+        self._progress = ProgressLog(config.log_every)
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
         collectives.release_import_time_group_pins()
@@ -254,9 +295,14 @@ class Engine:
             f for f in _ADAMW_FIELDS if f in kwargs or getattr(config, f) != getattr(defaults, f)
         ]
         if given:
+            values = ", ".join(f"{f}={getattr(config, f)!r}" for f in given)
+            name = type(optimizer).__name__ if not isinstance(optimizer, list) else "optimizer"
+            verb = "has" if len(given) == 1 else "have"
             raise ConfigError(
-                f"{', '.join(given)} configure the built-in AdamW and have no effect with "
-                "optimizer=; set them in the optimizer's param groups instead"
+                f"Engine got {values} and optimizer={name}(...): {', '.join(given)} {verb} "
+                "no effect with optimizer= (they configure the built-in AdamW); set them "
+                f"where you build the optimizer ({name}(params, lr=...)) and drop them from "
+                "Engine(...)"
             )
         return resolve_user_optimizers(optimizer, list(model.named_parameters()))
 
@@ -299,11 +345,22 @@ class Engine:
         self._runtime.pre_forward()
         cast = self.dtype if self.config.cast_forward_inputs else None
         args, kwargs = adapt.cast_inputs(args, kwargs, cast)
+        self._progress.note_batch(args, kwargs)
         out = self.module(*args, **kwargs)
         self._runtime.post_forward()
         return out
 
     forward = __call__
+
+    def _arrive(self, what: str) -> None:
+        """See [Note: arrival deadline] in zerostate.collectives."""
+        collectives.arrive(
+            what,
+            group=self.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.config.collective_timeout_s,
+        )
 
     def _refuse_unset(self) -> None:
         names = sorted(self._unset)
@@ -331,6 +388,7 @@ class Engine:
                 f"step() after every backward() (it steps every grad_accum_steps={accum})"
             )
         self._runtime.prepare(boundary=self._micro_step + 1 == accum)
+        self._progress.note_loss(loss)
         if self._scaler.enabled:
             loss = loss.float() * self._scaler.scale
         loss.backward()
@@ -371,6 +429,7 @@ class Engine:
         self._runtime.zero()
         self._micro_step = 0
         self._stats.end_step()
+        self._progress.after_step(self)
         return not overflow
 
     @property
@@ -495,6 +554,7 @@ class Engine:
         keep_last: int | None = None,
         storage_options: dict | None = None,
         stateful: dict | None = None,
+        allow_older_step: bool = False,
     ) -> Any:
         """Collective: every rank writes its own partitions of master weights, Adam moments,
         buffers and RNG state under ``path/step-<step>/`` (a local path or fsspec URL).
@@ -509,6 +569,9 @@ class Engine:
         (LR schedulers, samplers): their states are stored as JSON (tensors included, never
         pickle), per rank; :meth:`load` restores them in place (see [Note: per-rank
         stateful objects] in zerostate.checkpoint for a changed world size).
+        A root whose latest committed step is newer than ``step`` is refused unless this
+        engine loaded from (or saved to) it: it is another run's; ``allow_older_step=True``
+        saves there anyway.
         """
         return self._ckpt().save(
             path,
@@ -518,6 +581,7 @@ class Engine:
             keep_last=keep_last,
             storage_options=storage_options,
             stateful=stateful,
+            allow_older_step=allow_older_step,
         )
 
     def load(
@@ -528,14 +592,22 @@ class Engine:
         storage_options: dict | None = None,
         strict: bool = True,
         stateful: dict | None = None,
+        strict_state: bool = False,
     ) -> Any:
         """Collective: load step ``step`` (latest committed when None) written at ANY world
         size and stage; each rank reads only the ranges it holds. Returns ``client_state``.
         ``strict=False`` leaves state the checkpoint lacks as it is (new parameters, say).
         ``stateful`` objects are restored in place from the states saved under their names;
-        optimizer state and group hyperparameters (scheduled ``lr`` included) always are."""
+        optimizer state and group hyperparameters (scheduled ``lr`` included) always are.
+        Saved state it does not restore (a ``stateful`` object not passed, RNG states at
+        another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
         state = self._ckpt().load(
-            path, step=step, storage_options=storage_options, strict=strict, stateful=stateful
+            path,
+            step=step,
+            storage_options=storage_options,
+            strict=strict,
+            stateful=stateful,
+            strict_state=strict_state,
         )
         self._unset.clear()  # a checkpoint holds every parameter and buffer (or strict=False)
         return state
@@ -583,6 +655,7 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 parameters (canonical names) and buffers; collective."""
+        self._arrive("full_state_dict")
         full = self._runtime.full_masters(self._params)
         out = {sp.name: t.view(sp.shape) for sp, t in zip(self._params, full, strict=True)}
         for name, buf in self._named_buffers():
@@ -608,6 +681,7 @@ class Engine:
         """
         if isinstance(modules, nn.Module):
             modules = [modules]
+        self._arrive("gathered")
         return self._runtime.gathered(modules, rank0_only=rank0_only, writeback=writeback)
 
     def memory_stats(self) -> dict[str, int]:

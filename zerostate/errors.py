@@ -45,3 +45,7 @@ class DistributedMismatchError(ZerostateError, ValueError):
 
 class PretrainedMismatchError(ZerostateError, ValueError):
     """A pretrained checkpoint's tensor names or shapes do not fit the model."""
+
+
+class CollectiveTimeoutError(ZerostateError, TimeoutError):
+    """Not every rank entered a collective call (save, load, ...) within the deadline."""

@@ -131,6 +131,11 @@ def supported_names() -> list[str]:
 
 
 def _check_class(opt: Any) -> None:
+    if is_linked(opt):
+        raise ConfigError(
+            f"this {type(opt).__name__} already drives a zerostate Engine (its param_groups "
+            "are that engine's); build a fresh optimizer over the new model's parameters"
+        )
     if not isinstance(opt, Optimizer):
         raise ConfigError(
             f"optimizer must be a torch.optim.Optimizer (or a list of them), got "
@@ -506,3 +511,109 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.float32, device=device)
     norms = torch._foreach_norm(nonempty)
     return torch.stack(norms).float().square().sum().reshape(1)
+
+
+# [Note: live user optimizer]
+# Users of DeepSpeed and FSDP build a scheduler on the optimizer they created and call
+# ``opt.step()``. The engine steps an inner optimizer over the master shards, so the user's
+# object would otherwise be a detached copy whose lr changes nothing. After construction
+# its class is swapped for a subclass (isinstance and the class name stay) whose
+# ``param_groups`` and ``state`` are the inner optimizer's (the same dicts, so a
+# ``LambdaLR(opt, ...)`` drives the engine, and a load updates them in place) and whose
+# ``step()`` is ``engine.step()``. ``_opt_called`` reports the engine's steps, so torch's
+# scheduler sees the optimizer stepped even when the user calls ``engine.step()``.
+_LINKED: dict[type, type] = {}
+_ENGINE_REF = "_zerostate_engine_ref"
+_INNER = "_zerostate_inner"
+
+
+def _engine_of(opt: Any) -> Any:
+    engine = getattr(opt, _ENGINE_REF)()
+    if engine is None:
+        raise ConfigError(
+            f"this {type(opt).__name__} drove a zerostate Engine that no longer exists; "
+            "build a new optimizer for a new Engine"
+        )
+    return engine
+
+
+class _LinkedOptimizer:
+    """Mixed into the user's optimizer class; see [Note: live user optimizer]."""
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return getattr(self, _INNER).param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        getattr(self, _INNER).param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return getattr(self, _INNER).state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        getattr(self, _INNER).state = value
+
+    @property
+    def _opt_called(self) -> bool:
+        engine = getattr(self, _ENGINE_REF)()
+        return engine is not None and engine.optimizer_steps > 0
+
+    @_opt_called.setter
+    def _opt_called(self, value: bool) -> None:
+        pass  # derived from the engine's step count
+
+    def step(self, closure: Callable | None = None) -> Any:
+        """``engine.step()``: the engine owns the update of the partitioned state."""
+        if closure is not None:
+            raise ConfigError(
+                "this optimizer is driven by a zerostate Engine, whose step takes no closure; "
+                "call engine.backward(loss) and then engine.step() (or opt.step())"
+            )
+        return _engine_of(self).step()
+
+    # torch's LR schedulers wrap an optimizer's step to learn that it was called; this step
+    # reports that through _opt_called already, so a scheduler built later leaves it alone.
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: ``engine.step()`` zeroes the gradients it consumed."""
+
+    def state_dict(self) -> dict:
+        return getattr(self, _INNER).state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        getattr(self, _INNER).load_state_dict(state_dict)
+
+
+def _linked_class(cls: type) -> type:
+    linked = _LINKED.get(cls)
+    if linked is None:
+        linked = type(cls.__name__, (_LinkedOptimizer, cls), {"__module__": cls.__module__})
+        linked.__qualname__ = cls.__qualname__
+        _LINKED[cls] = linked
+    return linked
+
+
+def is_linked(opt: Any) -> bool:
+    """Whether ``opt`` already drives an engine (see [Note: live user optimizer])."""
+    return isinstance(opt, _LinkedOptimizer)
+
+
+def link_user_optimizers(optimizer: Any, sharded: ShardedOptimizer, engine: Any) -> None:
+    """Make the user's optimizer(s) views of the engine's inner ones, in order."""
+    import weakref
+
+    if optimizer is None:
+        return
+    users = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for user, inner in zip(users, sharded.inner, strict=True):
+        vars(user).pop("param_groups", None)
+        vars(user).pop("state", None)
+        vars(user).pop("_opt_called", None)
+        vars(user).pop("step", None)  # a scheduler's wrapper of the original step
+        object.__setattr__(user, _INNER, inner)
+        object.__setattr__(user, _ENGINE_REF, weakref.ref(engine))
+        user.__class__ = _linked_class(type(user))

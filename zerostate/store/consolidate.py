@@ -109,13 +109,14 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``fp32``/``bf16``/``fp16`` (or the torch dtype); ``None`` keeps the stored dtype."""
+    """``fp32``/``bf16``/``fp16``, their long names (``bfloat16``, ``torch.bfloat16``) or the
+    torch dtype; ``None`` keeps the stored dtype."""
     if dtype is None or isinstance(dtype, torch.dtype):
         if dtype is not None and dtype not in _DTYPE_NAMES.values():
             raise ConfigError(f"dtype must be fp32, bf16 or fp16, got {dtype}")
         return dtype
     try:
-        return _DTYPE_NAMES[str(dtype).lower()]
+        return _DTYPE_NAMES[str(dtype).lower().strip().removeprefix("torch.")]
     except KeyError:
         raise ConfigError(f"dtype must be fp32, bf16 or fp16, got {dtype!r}") from None
 
@@ -251,12 +252,20 @@ def consolidate(
     ``dir/name.safetensors.index.json``; any other ``out`` is a directory that gets
     ``model-*.safetensors`` and ``model.safetensors.index.json`` (the Hugging Face layout).
     ``out`` must be local. Existing output is refused unless ``force``.
+
+    An ``out`` ending in ``/`` (or an existing directory) is a directory that
+    ``from_pretrained`` loads as is: ``model.safetensors`` (or, with ``max_shard_size``,
+    shards and their index) and, for a Hugging Face model, the ``config.json`` the engine
+    recorded at save time (written last).
     """
     cast = parse_dtype(dtype)
     limit = parse_size(max_shard_size) if max_shard_size is not None else None
     if piece_bytes < 1:
         raise ConfigError(f"piece_bytes must be positive, got {piece_bytes}")
     out_path = _local_path(out)
+    as_directory = _names_directory(out, limit)
+    if as_directory and limit is None:
+        out_path = out_path / "model.safetensors"
     if sys.byteorder != "little":
         raise ConfigError("safetensors is little-endian; consolidate on a little-endian host")
 
@@ -276,7 +285,12 @@ def consolidate(
             for i in range(len(shards))
         ]
         index_path = directory / f"{prefix}.safetensors.index.json"
-    _refuse_existing([*targets, *([index_path] if index_path else [])], force)
+    model_config = _model_config(st.attrs) if as_directory else None
+    config_path = out_path.parent / "config.json" if limit is None else targets[0].parent
+    if model_config is not None and limit is not None:
+        config_path = config_path / "config.json"
+    extra = [config_path] if model_config is not None else []
+    _refuse_existing([*targets, *([index_path] if index_path else []), *extra], force)
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
 
@@ -292,6 +306,10 @@ def consolidate(
         _atomic_write_bytes(index_path, (json.dumps(index, indent=2) + "\n").encode())
     if progress is not None and not entries:
         progress(0, 0)
+    if model_config is not None:
+        # Last, like the index: from_pretrained finds a complete directory or none.
+        text = json.dumps(model_config, indent=2, sort_keys=True) + "\n"
+        _atomic_write_bytes(config_path, text.encode())
 
     tied = _engine_attrs(st.attrs).get("tied") or {}
     return ConsolidateResult(
@@ -412,6 +430,27 @@ def _local_path(out: str | os.PathLike) -> Path:
             "write locally, then upload the file"
         )
     return Path(text)
+
+
+def _names_directory(out: str | os.PathLike, limit: int | None) -> bool:
+    """Whether ``out`` names a directory to fill (``hf/``, an existing directory, or any
+    non-``.safetensors`` name when sharding) rather than one ``.safetensors`` file."""
+    text = os.fspath(out)
+    if text.endswith(("/", os.sep)) or Path(text).is_dir():
+        return True
+    return limit is not None and not text.endswith(".safetensors")
+
+
+def _model_config(attrs: dict) -> dict | None:
+    """The model's config the engine recorded at save (a transformers model), checked."""
+    config = attrs.get("model_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        raise CorruptCheckpointError(
+            f"the step's model_config must be a JSON object, got {type(config).__name__}"
+        )
+    return config
 
 
 def _refuse_inside_checkpoint(root: str, out: Path) -> None:
