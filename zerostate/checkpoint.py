@@ -60,7 +60,7 @@ from zerostate.errors import (
     ZerostateError,
 )
 from zerostate.frozen import RANK_STATE_KEY as FROZEN_KEY
-from zerostate.frozen import plan_frozen
+from zerostate.frozen import adapter_attrs, plan_frozen
 from zerostate.store import (
     StepExistsError,
     StepWriter,
@@ -356,6 +356,7 @@ class Checkpointer:
             "engine": _json_checked(self.engine.engine_state(), "engine state"),
             "client_state": _json_checked(client_state, "client_state"),
             "saved_at_unix": time.time(),
+            **adapter_attrs(self.engine.module),
         }
         # [Note: failing together] Rank 0 checks the target and picks a save id, every rank
         # finishes its previous save; one all-gather tells every rank the verdict of all

@@ -104,3 +104,37 @@ def _matching(
             if same_spec and entry.get("digest") == digests[name] and entry.get("step") == holder:
                 holders[name] = holder
         return st.step, holders
+
+
+def adapter_attrs(module: Any) -> dict:
+    """``{"peft": {"adapter_name", "config"}}`` for a peft model (its active adapter's
+    configuration as ``adapter_config.json`` holds it), else ``{}``: recorded at save so
+    that ``zerostate consolidate --trainable-only`` can write a directory peft loads."""
+    configs = getattr(module, "peft_config", None)
+    name = getattr(module, "active_adapter", None)
+    if not isinstance(configs, dict) or not isinstance(name, str) or name not in configs:
+        return {}
+    try:
+        config = _json_value(configs[name].to_dict())
+    except Exception as exc:  # noqa: BLE001 - the save itself does not need it
+        log.warning("zerostate: the peft config of adapter %r is not recorded: %s", name, exc)
+        return {}
+    return {"peft": {"adapter_name": name, "config": config}}
+
+
+def _json_value(value: Any) -> Any:
+    """peft's ``to_dict()`` as plain JSON, as ``save_pretrained`` writes it (sets as lists,
+    enums as their values)."""
+    import enum
+
+    if isinstance(value, enum.Enum):
+        return _json_value(value.value)
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_json_value(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise TypeError(f"{type(value).__name__} is not JSON")
