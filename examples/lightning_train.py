@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--resume", default=None, help="a checkpoint (root) to continue from")
+    p.add_argument("--async-save", action="store_true", help="save in the background")
     p.add_argument("--log-json", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -86,7 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     pl.seed_everything(0, workers=True)
     model = Classifier()
     loader = DataLoader(dataset(), batch_size=args.global_batch // devices, shuffle=False)
-    strategy = ZeroStateStrategy(stage=args.stage) if args.strategy == "zerostate" else "ddp"
+    strategy = (
+        ZeroStateStrategy(stage=args.stage, async_save=args.async_save)
+        if args.strategy == "zerostate"
+        else "ddp"
+    )
     checkpoints = ModelCheckpoint(
         dirpath=args.workdir / "ckpt", filename="{epoch}", save_top_k=-1, every_n_epochs=1
     )
