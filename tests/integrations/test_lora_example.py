@@ -50,6 +50,11 @@ def test_lora_example_stores_the_base_once(lora_run):
     model = _example().make_lora(_example().make_base())
     trainable = sum(12 * p.numel() for p in model.parameters() if p.requires_grad)
     assert all(r["row_bytes"] <= 1.5 * trainable for r in records[1:]), (records, trainable)
+    print(
+        f"\nexamples/lora.py: step 1 {records[0]['row_bytes']} B of rows, later steps "
+        f"{[r['row_bytes'] for r in records[1:]]} B for {trainable} B of trainable state "
+        f"({max(r['row_bytes'] for r in records[1:]) / trainable:.3f}x)"
+    )
     assert records[-1]["loss"] < records[0]["loss"]
 
 

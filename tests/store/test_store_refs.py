@@ -149,3 +149,21 @@ def test_writer_refuses_a_reference_to_a_newer_step(tmp_path):
     with pytest.raises(ConfigError, match="older step"):
         StepWriter(str(tmp_path), 2, rank=0, world_size=WS, specs=specs[1:],
                    refs=[TensorRef(specs[0], 2)])  # fmt: skip
+
+
+def test_reshard_and_consolidate_follow_references(root, tmp_path):
+    from safetensors.torch import load_file
+
+    from zerostate.store.consolidate import consolidate
+    from zerostate.store.reshard import reshard
+
+    out = str(tmp_path / "resharded")
+    reshard(root, out, world_size=2)
+    st = open_checkpoint(out).step()
+    assert st.step == 3 and st.world_size == 2 and st.refs == {}  # written in full
+    st.verify()
+    for name, value in _tensors(3).items():
+        assert torch.equal(st.read(name).reshape(value.shape), value), name
+    consolidate(root, tmp_path / "a.safetensors")
+    got = load_file(str(tmp_path / "a.safetensors"))
+    assert torch.equal(got["base.w"], _tensors(3)["model/base.w"])
