@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ from zerostate.store.refs import TensorRef  # noqa: E402
 
 SEED = 20261201
 POINTS = int(os.environ.get("ZEROSTATE_CRASH_POINTS_REFS", "80"))
+S3_POINTS = int(os.environ.get("ZEROSTATE_CRASH_POINTS_REFS_S3", "16"))
 BASE_SHAPES = {"emb": (41, 17), "h.0.w": (17, 53), "h.0.b": (53,), "head": (17, 41)}
 ADAPTER_SHAPES = {"h.0.lora_A": (4, 17), "h.0.lora_B": (53, 4)}
 
@@ -55,20 +57,23 @@ def _trainable(step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save(root: str, step: int, tensors: dict, holder: int | None, world_size: int) -> None:
+def _save(
+    root: str, step: int, tensors: dict, holder: int | None, world_size: int, opts=None
+) -> None:
     """Every rank in turn, rank 0 last; the base tensors refer to ``holder`` if given."""
     specs = plan_specs(tensors, world_size)
     base = {n for n in tensors if n.split("/", 1)[1] in BASE_SHAPES and n.startswith("model/")}
     refs = [TensorRef(s, holder) for s in specs if holder is not None and s.name in base]
     stored = [s for s in specs if holder is None or s.name not in base]
     for rank in [*range(1, world_size), 0]:
-        writer = StepWriter(root, step, rank=rank, world_size=world_size, specs=stored, refs=refs)
+        writer = StepWriter(root, step, rank=rank, world_size=world_size, specs=stored, refs=refs,
+                            storage_options=opts)  # fmt: skip
         writer.write(owned_shards(tensors, stored, rank))
         writer.commit(wait=False)
 
 
-def _check(root: str, expected: dict[int, dict], holders: dict[int, int]) -> list[int]:
-    reader = open_checkpoint(root)
+def _check(root: str, opts, expected: dict[int, dict], holders: dict[int, int]) -> list[int]:
+    reader = open_checkpoint(root, storage_options=opts)
     committed = reader.steps()
     assert committed
     for step in committed:
@@ -81,22 +86,21 @@ def _check(root: str, expected: dict[int, dict], holders: dict[int, int]) -> lis
     return committed
 
 
-@pytest.mark.slow
-def test_crash_sweep_with_references(tmp_path, capsys):
+def _sweep(make_root, opts, num_points: int) -> dict[str, int]:
     rng = random.Random(SEED)
     counts = {"kill points": 0, "killed": 0, "base rewritten": 0, "holders kept": 0,
               "holders freed": 0}  # fmt: skip
     world_sizes = (2, 3)
     roots, state, ops = {}, {}, {}
     for ws in world_sizes:
-        roots[ws] = str(tmp_path / f"w{ws}")
+        roots[ws] = make_root(f"w{ws}")
         base = _base(ws)
         tensors = {**base, **_trainable(1)}
-        _save(roots[ws], 1, tensors, None, ws)
+        _save(roots[ws], 1, tensors, None, ws, opts)
         # per root: current step, its base and its holder, expected values and holders
         state[ws] = {"step": 1, "base": base, "holder": 1, "expected": {1: tensors},
                      "holders": {1: 1}}  # fmt: skip
-    for i in range(POINTS):
+    for i in range(num_points):
         ws = world_sizes[i % len(world_sizes)]
         root, s = roots[ws], state[ws]
         new = s["step"] + 1
@@ -107,25 +111,25 @@ def test_crash_sweep_with_references(tmp_path, capsys):
         ref = None if rewrite else s["holder"]
 
         def scenario(root=root, new=new, tensors=tensors, ref=ref, ws=ws) -> None:
-            _save(root, new, tensors, ref, ws)
-            prune_steps(root, keep_last=1, partial_below=new)
+            _save(root, new, tensors, ref, ws, opts)
+            prune_steps(root, keep_last=1, partial_below=new, storage_options=opts)
 
         if ws not in ops:  # count the operations of one referring save on a scratch root
-            scratch = str(tmp_path / f"dry{ws}")
-            shutil.copytree(root, scratch)
-            dry = {**s["base"], **_trainable(new)}
+            scratch = make_root(f"dry{ws}")
+            _save(scratch, 1, {**s["base"], **_trainable(1)}, None, ws, opts)
+            dry = {**s["base"], **_trainable(2)}
             status, counted = run_in_child(
-                lambda r=scratch, n=new, t=dry, h=s["holder"], w=ws: (
-                    _save(r, n, t, h, w),
-                    prune_steps(r, keep_last=1, partial_below=n),
+                lambda r=scratch, t=dry, w=ws: (
+                    _save(r, 2, t, 1, w, opts),
+                    prune_steps(r, keep_last=1, partial_below=2, storage_options=opts),
                 ),
                 None,
-                s3=False,
+                s3=opts is not None,
             )
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and counted > 0
             ops[ws] = counted
         point = KillPoint(rng.randint(1, ops[ws]), torn=rng.random() < 0.5)
-        status, _ = run_in_child(scenario, point, s3=False)
+        status, _ = run_in_child(scenario, point, s3=opts is not None)
         counts["kill points"] += 1
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
             counts["killed"] += 1
@@ -133,24 +137,54 @@ def test_crash_sweep_with_references(tmp_path, capsys):
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
         expected = {**s["expected"], new: tensors}
         holders = {**s["holders"], new: holder}
-        committed = _check(root, expected, holders)
+        committed = _check(root, opts, expected, holders)
         assert s["step"] in committed or new in committed
         if new not in committed:  # recovery: clean up, save again
-            remove_partial_steps(root)
-            _check(root, expected, holders)
-            _save(root, new, tensors, ref, ws)
-        prune_steps(root, keep_last=1, partial_below=new)
-        committed = _check(root, expected, holders)
+            remove_partial_steps(root, storage_options=opts)
+            _check(root, opts, expected, holders)
+            _save(root, new, tensors, ref, ws, opts)
+        prune_steps(root, keep_last=1, partial_below=new, storage_options=opts)
+        committed = _check(root, opts, expected, holders)
         want = sorted({new, holder})
         assert committed == want, (committed, want)
-        assert open_checkpoint(root).scan()[1] == []
+        assert open_checkpoint(root, storage_options=opts).scan()[1] == []
         counts["base rewritten"] += rewrite
         counts["holders kept"] += holder != new
         counts["holders freed"] += rewrite and s["holder"] not in committed
         s.update(step=new, base=base, holder=holder,
                  expected={k: expected[k] for k in committed},
                  holders={k: holders[k] for k in committed})  # fmt: skip
+    return counts
+
+
+def _report(capsys, where: str, counts: dict[str, int]) -> None:
     with capsys.disabled():
-        print("\ncrash sweep with references: " + ", ".join(f"{k}: {v}" for k, v in counts.items()))
+        print(f"\ncrash sweep with references ({where}): "
+              + ", ".join(f"{k}: {v}" for k, v in counts.items()))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_crash_sweep_with_references(tmp_path, capsys):
+    def make_root(i):
+        path = tmp_path / f"ckpt-{i}"
+        shutil.rmtree(path, ignore_errors=True)
+        return str(path)
+
+    counts = _sweep(make_root, None, POINTS)
+    _report(capsys, "local disk", counts)
     assert counts["killed"] >= 0.9 * POINTS
     assert counts["holders kept"] > 0 and counts["holders freed"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_crash_sweep_with_references_s3(s3_server, capsys):
+    bucket, opts = s3_server.new_bucket("crashrefs")
+
+    def make_root(i):
+        return f"s3://{bucket}/{i}-{uuid.uuid4().hex[:6]}"
+
+    counts = _sweep(make_root, opts, S3_POINTS)
+    _report(capsys, "S3 (SeaweedFS)", counts)
+    assert counts["killed"] >= 0.9 * S3_POINTS
+    assert counts["holders kept"] > 0
