@@ -11,8 +11,7 @@ import zerostate
 VOCAB, SEQ, BATCH = 96, 16, 8
 
 
-def make_lora_model(seed: int = 0):
-    from peft import LoraConfig, get_peft_model
+def make_base(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -20,7 +19,13 @@ def make_lora_model(seed: int = 0):
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
     )  # fmt: skip
-    base = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def make_lora_model(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    base = make_base(seed)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     model = get_peft_model(base, lora)
     with torch.no_grad():  # B starts at zero; a non-zero start makes step 1 move A too

@@ -2,7 +2,8 @@
 under torchrun, 2 gloo ranks; a small Llama from a config; warm-up + cosine; gradient
 accumulation; clipping): every logged loss equals the stock Trainer with DDP, a resume
 from a mid-epoch checkpoint on one rank continues the curve, and ``save_model``'s
-directory loads with ``from_pretrained`` and gives the stock run's logits."""
+directory loads with ``from_pretrained`` and gives the stock run's logits. For a peft model
+``save_model`` writes the adapter, which ``PeftModel.from_pretrained`` loads."""
 
 from __future__ import annotations
 
@@ -70,3 +71,44 @@ def test_zerostate_trainer_matches_stock_ddp_and_resumes(tmp_path, stock, stage)
     theirs = LlamaForCausalLM.from_pretrained(str(stock_dir / "final")).eval()
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _peft_worker(rank, world_size, out):
+    from lora_common import make_base, make_lora_model
+    from peft import PeftModel
+    from transformers import TrainingArguments
+
+    from zerostate.integrations.transformers import ZeroStateTrainer
+
+    args = TrainingArguments(output_dir=f"{out}/run", per_device_train_batch_size=8,
+                             max_steps=3, save_steps=2, learning_rate=1e-2, report_to=[],
+                             use_cpu=True, disable_tqdm=True)  # fmt: skip
+    trainer = ZeroStateTrainer(model=make_lora_model(), args=args, train_dataset=_Tokens())
+    trainer.train()
+    trainer.save_model(f"{out}/adapter")
+    ids = _Tokens()[99]["input_ids"][None]
+    loaded = PeftModel.from_pretrained(make_base(), f"{out}/adapter").eval()
+    trainer.model.eval()
+    with torch.no_grad():
+        return trainer.model(input_ids=ids).logits, loaded(input_ids=ids).logits
+
+
+@pytest.mark.slow
+def test_peft_model_save_model_writes_an_adapter(tmp_path):
+    from helpers_dist import run_distributed
+
+    trained, loaded = run_distributed(_peft_worker, 1, str(tmp_path), timeout=300)[0]
+    written = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= written
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-6)
+    assert open_checkpoint(str(tmp_path / "run" / "checkpoint-2")).step().refs == {}
