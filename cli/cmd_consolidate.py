@@ -72,12 +72,52 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "number without a unit counts bytes and must be at least 1048576 (1MiB)",
     )
     parser.add_argument("--force", action="store_true", help="overwrite an existing output")
+    parser.add_argument(
+        "--trainable-only",
+        action="store_true",
+        help="export only the tensors that were trainable (not frozen) when saved: for a "
+        "peft model OUT becomes a directory PeftModel.from_pretrained loads "
+        "(adapter_model.safetensors + adapter_config.json)",
+    )
     add_output_args(parser)
     parser.set_defaults(run=run)
 
 
+def run_trainable(args: argparse.Namespace) -> int:
+    from zerostate.errors import ConfigError
+    from zerostate.store.adapter import export_trainable
+
+    if args.max_shard_size is not None:
+        raise ConfigError("--trainable-only writes one file; leave out --max-shard-size")
+    result = export_trainable(
+        args.ckpt,
+        args.out,
+        step=args.step,
+        dtype=args.dtype,
+        force=args.force,
+        storage_options=storage_options(args, args.ckpt),
+    )
+    summary = {
+        "step": result.step,
+        "files": [str(p) for p in (result.weights, result.config) if p is not None],
+        "num_tensors": result.num_tensors,
+        "total_bytes": result.total_bytes,
+    }
+    if args.json:
+        print_json(summary)
+    else:
+        print(
+            f"wrote step {result.step}: {result.num_tensors} trainable tensors, "
+            f"{human_bytes(result.total_bytes)} -> {', '.join(summary['files'])}"
+        )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from zerostate.store.consolidate import consolidate
+
+    if getattr(args, "trainable_only", False):
+        return run_trainable(args)
 
     options = storage_options(args, args.ckpt)
     with progress_bar(args, "consolidate") as progress:

@@ -59,6 +59,8 @@ from zerostate.errors import (
     DistributedMismatchError,
     ZerostateError,
 )
+from zerostate.frozen import RANK_STATE_KEY as FROZEN_KEY
+from zerostate.frozen import adapter_attrs, plan_frozen
 from zerostate.store import (
     StepExistsError,
     StepWriter,
@@ -410,6 +412,7 @@ class Checkpointer:
             "engine": _json_checked(self.engine.engine_state(), "engine state"),
             "client_state": _json_checked(client_state, "client_state"),
             "saved_at_unix": time.time(),
+            **adapter_attrs(self.engine.module),
         }
         model_config = _transformers_config(self.engine.module)
         if model_config is not None:
@@ -472,13 +475,16 @@ class Checkpointer:
                 f"step {step} is already committed in {path}; save under another step number "
                 "or delete it first"
             )
+        frozen = plan_frozen(self, path, storage_options, step)  # collective, never fails
         try:
             rank_state = {"rng": self._rng_state()}
             if per_rank:  # see [Note: per-rank stateful objects]
                 rank_state["stateful"] = {n: objects[n] for n in per_rank}
                 attrs["stateful_per_rank"] = per_rank
             attrs["stateful"] = {n: v for n, v in objects.items() if n not in per_rank}
-            pieces = self._pieces()
+            if frozen.digests:
+                rank_state[FROZEN_KEY] = frozen.digests
+            pieces = [p for p in self._pieces() if p.spec.name not in frozen.skipped]
             writer = StepWriter(
                 path,
                 step,
@@ -491,6 +497,7 @@ class Checkpointer:
                 timeout_s=self.timeout_s,
                 progress=progress,
                 save_id=f"{save_id:016x}",
+                refs=frozen.refs,
             )
             shards, copy = self._snapshot(pieces, blocking)
         except Exception as exc:

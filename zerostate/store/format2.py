@@ -6,11 +6,12 @@ plan ([Note: rows]) both sides derive from the tensors' layouts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
 from zerostate.store import format as fmt
+from zerostate.store import refs as refs_mod
 from zerostate.store.rows import GroupPlan, group_of, plan_groups, row_path
 
 VERSION = 2
@@ -101,6 +102,9 @@ class StepRecord:
     rows: dict[str, list[RowRecord | None]]
     manifests: list[fmt.ChunkRecord]
     files: dict[str, fmt.ChunkRecord]
+    #: Tensors held by older steps: ``{name: (info as referenced, holder step)}``
+    #: ([Note: tensor references] in ``refs.py``).
+    refs: dict[str, tuple[fmt.TensorInfo, int]] = field(default_factory=dict)
 
 
 def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRecord:
@@ -125,8 +129,9 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
         fmt.validate_name(name)
         what = f"{where}: tensor {name!r}"
         tensors[name] = _parse_tensor(name, entry, world_size, what)
+    refs = refs_mod.parse_refs(record.get("refs"), step, world_size, where, MAX_ROW_NBYTES)
     try:
-        fmt.check_name_tree(list(tensors))
+        fmt.check_name_tree([*tensors, *refs])
         inner = {}
         for g, entry in groups_json.items():
             if not isinstance(entry, dict):
@@ -175,7 +180,7 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
     for path, entry in files_json.items():
         fmt.validate_name(path, what="metadata path", allow_meta=True)
         files[path] = fmt._parse_chunk(entry, f"{where}: file {path!r}")
-    return StepRecord(world_size, attrs, tensors, plans, rows, manifests, files)
+    return StepRecord(world_size, attrs, tensors, plans, rows, manifests, files, refs)
 
 
 def check_row(plan: GroupPlan, rank: int, row: RowRecord | None, where: str) -> None:

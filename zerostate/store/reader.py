@@ -17,9 +17,15 @@ from typing import Any
 import crc32c
 import torch
 
-from zerostate.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError
+from zerostate.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+)
 from zerostate.partition import chunk_reads
 from zerostate.store import format as fmt
+from zerostate.store import refs
 from zerostate.store.format import TensorInfo
 from zerostate.store.storage import Storage, open_storage
 
@@ -91,11 +97,27 @@ class CheckpointReader:
             from zerostate.store.reader_v2 import StepReaderV2
 
             parsed = format2.parse_commit_record(record, step, where)
-            return StepReaderV2(self._storage, directory, step, parsed, self._num_threads)
+            holders = self._holders(parsed, where)
+            return StepReaderV2(self._storage, directory, step, parsed, self._num_threads, holders)
         world_size, attrs, tensors, files = fmt.parse_commit_record(record, step, where)
         return StepReader(
             self._storage, directory, step, world_size, attrs, tensors, files, self._num_threads
         )
+
+    def _holders(self, parsed: Any, where: str) -> dict[int, Any]:
+        """The older steps a step refers to ([Note: tensor references] in ``refs.py``)."""
+        holders = {}
+        for holder in sorted({k for _, k in parsed.refs.values()}):
+            names = sorted(n for n, (_, k) in parsed.refs.items() if k == holder)
+            try:
+                holders[holder] = self.step(holder)
+            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+                shown = ", ".join(repr(n) for n in names[:5])
+                raise CorruptCheckpointError(
+                    f"{where}: tensor(s) {shown}{' ...' if len(names) > 5 else ''} are held "
+                    f"by step {holder}, which cannot be opened: {exc}"
+                ) from exc
+        return holders
 
 
 class StepReader:
@@ -391,6 +413,9 @@ def remove_partial_steps(
     else:
         partial = _scan(storage)[1]
     removed = [s for s in partial if below_step is None or s < below_step]
+    if removed:  # see [Note: tensor references] in refs.py
+        referenced = refs.kept_steps(storage, set(_scan(storage)[0]))
+        removed = [s for s in removed if referenced is not None and s not in referenced]
     for step in removed:
         storage.remove_tree(fmt.step_dir(step))
     storage.sync_dirs()
@@ -415,6 +440,9 @@ def prune_steps(
     for step in stale:
         storage.remove_tree(fmt.step_dir(step))
     old = committed[:-keep_last] if keep_last else []
+    if old:  # steps the kept ones refer to stay ([Note: tensor references] in refs.py)
+        kept = refs.kept_steps(storage, set(committed[-keep_last:]))
+        old = [s for s in old if kept is not None and s not in kept]
     for step in old:
         _delete_dir(storage, step)
     storage.sync_dirs()
@@ -426,5 +454,14 @@ def delete_step(root: str, step: int, storage_options: dict | None = None) -> No
     storage = open_storage(root, storage_options)
     if fmt.step_dir(step) not in storage.list_dir(""):
         raise CheckpointNotFoundError(f"no step {step} under {storage.url}")
+    others = [s for s in _scan(storage)[0] if s != step]
+    # A step whose references cannot be read counts as referring: deleting is undoable.
+    referrers = [s for s in others if step in (refs.kept_steps(storage, {s}) or {step})]
+    if referrers:
+        raise CheckpointError(
+            f"step {step} under {storage.url} holds tensors that steps {referrers[:10]} refer "
+            "to; delete those steps first (or consolidate/reshard one of them, which writes "
+            "every tensor)"
+        )
     _delete_dir(storage, step)
     storage.sync_dirs()

@@ -22,6 +22,7 @@ from zerostate.errors import ConfigError, CorruptCheckpointError
 from zerostate.partition import chunk_reads
 from zerostate.store import format as fmt
 from zerostate.store import format2
+from zerostate.store import refs as refs_mod
 from zerostate.store.reader import StepReader
 from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
 from zerostate.store.storage import Storage
@@ -46,14 +47,30 @@ class StepReaderV2(StepReader):
         step: int,
         record: format2.StepRecord,
         num_threads: int,
+        holders: dict[int, StepReaderV2] | None = None,
     ) -> None:
+        tensors = dict(record.tensors)
+        where = f"commit record of step {step}"
+        #: Referenced tensor -> the step reader of the older step holding it.
+        self._held_by: dict[str, StepReaderV2] = {}
+        for name, (ref, k) in record.refs.items():
+            holder = (holders or {}).get(k)
+            if not isinstance(holder, StepReaderV2) or name in holder._held_by:
+                raise CorruptCheckpointError(
+                    f"{where}: {name!r} refers to step {k}, which does not store it itself"
+                )
+            held = holder.tensors.get(name)
+            refs_mod.check_holder_entry(ref, held, where)
+            tensors[name] = held
+            self._held_by[name] = holder
+        self._holders = dict(holders or {})
         super().__init__(
             storage,
             directory,
             step,
             record.world_size,
             record.attrs,
-            record.tensors,
+            tensors,
             record.files,
             num_threads,
         )
@@ -76,6 +93,16 @@ class StepReaderV2(StepReader):
             if row is not None
         ]
 
+    @property
+    def refs(self) -> dict[str, int]:
+        """``{tensor: holder step}`` of the tensors this step refers to instead of storing."""
+        return {name: holder.step for name, holder in self._held_by.items()}
+
+    def close(self) -> None:
+        super().close()
+        for holder in self._holders.values():
+            holder.close()
+
     def iter_chunks(self) -> Any:
         raise ConfigError(
             f"step {self.step} is format 2: it has no per-chunk objects; use row_objects() "
@@ -85,6 +112,8 @@ class StepReaderV2(StepReader):
     def locate(self, name: str, element: int) -> tuple[str, int]:
         """Where element ``element`` of tensor ``name`` is stored: the row object's path
         (relative to the checkpoint root) and the byte offset in it (for tools and tests)."""
+        if name in self._held_by:
+            return self._held_by[name].locate(name, element)
         info = self.info(name)
         if not 0 <= element < info.numel:
             raise ConfigError(f"{name}: element {element} outside [0, {info.numel})")
@@ -135,6 +164,13 @@ class StepReaderV2(StepReader):
         """Several ``(name, start, stop, out)`` reads at once (see :meth:`read_range`):
         every inner chunk they need is read once, adjacent chunks of a row in one request,
         whichever tensors they serve. A loader reads all its ranges this way."""
+        requests = list(requests)
+        if self._held_by and any(r[0] in self._held_by for r in requests):
+            return self._read_many_with_refs(requests)
+        return self._read_stored(requests)
+
+    def _read_stored(self, requests: list[tuple]) -> list[torch.Tensor]:
+        """:meth:`read_many` of tensors this step's own rows hold."""
         outs: list[torch.Tensor] = []
         pieces: dict[tuple[str, int], list[_Piece]] = {}
         for name, start, stop, out in requests:
@@ -170,6 +206,23 @@ class StepReaderV2(StepReader):
                 jobs += [(plan, rank, run) for run in _runs(batch, plan.inner)]
                 todo = later
         self._map(lambda job: self._read_run(*job), jobs)
+        return outs
+
+    def _read_many_with_refs(self, requests: list[tuple]) -> list[torch.Tensor]:
+        """Requests split by the step holding their bytes; results in request order."""
+        by_reader: dict[int, list[int]] = {}
+        readers: dict[int, StepReaderV2] = {}
+        for i, request in enumerate(requests):
+            reader = self._held_by.get(request[0], self)
+            readers[id(reader)] = reader
+            by_reader.setdefault(id(reader), []).append(i)
+        outs: list[Any] = [None] * len(requests)
+        for key, indices in by_reader.items():
+            reader = readers[key]
+            batch = [requests[i] for i in indices]
+            got = reader.read_many(batch) if reader is not self else self._read_stored(batch)
+            for i, out in zip(indices, got, strict=True):
+                outs[i] = out
         return outs
 
     def _probe(self, info: fmt.TensorInfo, start: Any, stop: Any) -> None:
@@ -294,6 +347,7 @@ class StepReaderV2(StepReader):
         self._map(check_doc, sorted(self._files.items()))
         manifests = [(fmt.manifest_path(r), m) for r, m in enumerate(self._manifests)]
         self._map(check_doc, manifests)
+        self._verify_held(report, progress)
         if problems:
             problems.sort()
             raise CorruptCheckpointError(
@@ -301,6 +355,35 @@ class StepReaderV2(StepReader):
                 + "; ".join(problems[:20])
                 + (" ..." if len(problems) > 20 else "")
             )
+
+    def _verify_held(
+        self, report: Callable[[str], None], progress: Callable[[int], Any] | None
+    ) -> None:
+        """Verify the holders' rows that hold the tensors this step refers to."""
+        for holder in self._holders.values():
+            names = [n for n, h in self._held_by.items() if h is holder]
+            groups = {holder.tensors[n].group for n in names}
+            rows = [(holder._plans[g], r) for g in sorted(groups) for r in range(holder.world_size)]
+            held: list[str] = []
+
+            def check(
+                item: tuple[GroupPlan, int],
+                holder: StepReaderV2 = holder,
+                held: list[str] = held,
+            ) -> None:
+                plan, rank = item
+                try:
+                    row = holder._row(plan, rank)
+                    if row is not None:
+                        holder._verify_row(plan, rank, row, held.append)
+                except CorruptCheckpointError as exc:
+                    held.append(str(exc))
+
+            self._map(check, rows)
+            for problem in held:
+                report(f"held by step {holder.step}: {problem}")
+            if progress is not None:
+                progress(sum(int(holder.tensors[n].nbytes) for n in names))
 
     def _check_object(self, path: str, record: fmt.ChunkRecord, what: str) -> str | None:
         buf = memoryview(bytearray(record.nbytes + 1))  # one more: an overlong object shows

@@ -41,6 +41,7 @@ from zerostate.partition import TensorLayout
 from zerostate.store import format as fmt
 from zerostate.store import format2
 from zerostate.store.format import ChunkRecord
+from zerostate.store.refs import TensorRef
 from zerostate.store.rows import LazyShard, Source, row_parts, row_path
 from zerostate.store.storage import open_storage
 
@@ -100,6 +101,8 @@ class StepWriter:
     ``rank_state`` is a JSON object (at most 4 MiB) kept in this rank's manifest and read
     back with ``StepReader.rank_state(rank)``. ``save_id``, when given (the same string on
     every rank), makes rank 0 ignore manifests left behind by an earlier attempt.
+    ``refs`` name tensors the step refers to instead of storing them (the same on every
+    rank; see [Note: tensor references] in ``refs.py``): they are not written.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class StepWriter:
         progress: Callable[[int], Any] | None = None,
         save_id: str | None = None,
         rank_state: dict | None = None,
+        refs: list[TensorRef] | None = None,
     ) -> None:
         if not isinstance(world_size, int) or not 1 <= world_size <= fmt.MAX_RANKS + 1:
             raise ConfigError(
@@ -142,10 +146,14 @@ class StepWriter:
                     f"{spec.name}: layout is for world_size "
                     f"{spec.layout.world_size}, writer for {world_size}"
                 )
-        fmt.check_name_tree([s.name for s in specs])
+        self._refs_json = _refs_json(refs or [], step, world_size)
+        fmt.check_name_tree([s.name for s in specs] + list(self._refs_json))
         self._specs = {s.name: s for s in specs}
         self._tensors_json, self._plans = format2.tensor_entries(specs, world_size)
-        self._digest = fmt.specs_digest(self._tensors_json)
+        digested = self._tensors_json
+        if self._refs_json:  # steps without references keep the digest they always had
+            digested = {"tensors": self._tensors_json, "refs": self._refs_json}
+        self._digest = fmt.specs_digest(digested)
         self._storage = open_storage(root, storage_options)
         # Groups this rank stores bytes of, and the tensors each row waits for.
         self._waiting = {
@@ -455,6 +463,8 @@ class StepWriter:
             ],
             "files": files,
         }
+        if self._refs_json:
+            record["refs"] = self._refs_json
         # Validate what we are about to commit exactly as a reader will.
         format2.parse_commit_record(record, self.step, f"commit record of {self.url}")
         doc = fmt.group_document({"zerostate_commit": record})
@@ -532,6 +542,22 @@ class StepWriter:
                 )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
+
+
+def _refs_json(refs: list[TensorRef], step: int, world_size: int) -> dict[str, dict]:
+    out = {}
+    for ref in refs:
+        if not isinstance(ref, TensorRef) or not isinstance(ref.spec, TensorSpec):
+            raise ConfigError(f"refs must be TensorRef objects with a TensorSpec, got {ref!r}")
+        if not isinstance(ref.step, int) or not 0 <= ref.step < step:
+            raise ConfigError(
+                f"{ref.spec.name}: a reference must name an older step than {step}, "
+                f"got {ref.step!r}"
+            )
+        if ref.spec.layout.world_size != world_size:
+            raise ConfigError(f"{ref.spec.name}: reference layout is for another world size")
+        out[ref.spec.name] = ref.to_json()
+    return dict(sorted(out.items()))
 
 
 def _meta_entry(path: str) -> str:

@@ -1,0 +1,114 @@
+"""A real ``transformers.Trainer`` through ``ZeroStateTrainer`` (examples/hf_trainer.py
+under torchrun, 2 gloo ranks; a small Llama from a config; warm-up + cosine; gradient
+accumulation; clipping): every logged loss equals the stock Trainer with DDP, a resume
+from a mid-epoch checkpoint on one rank continues the curve, and ``save_model``'s
+directory loads with ``from_pretrained`` and gives the stock run's logits. For a peft model
+``save_model`` writes the adapter, which ``PeftModel.from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_dist import free_port
+
+from zerostate.store import open_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "hf_trainer.py"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+
+
+def _run(work: Path, nproc: int, *args: str) -> list[tuple[int, float]]:
+    log = work / "log.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", str(EXAMPLE), "--workdir", str(work),
+           "--log-json", str(log), *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return [(r["step"], r["loss"]) for r in map(json.loads, log.read_text().splitlines())]
+
+
+def _close(got, want, rtol=1e-5) -> float:
+    assert [s for s, _ in got] == [s for s, _ in want]
+    worst = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, want, strict=True))
+    assert worst <= rtol, (worst, got, want)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    work = tmp_path_factory.mktemp("stock")
+    return work, _run(work, 2, "--trainer", "stock")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zerostate_trainer_matches_stock_ddp_and_resumes(tmp_path, stock, stage):
+    from transformers import LlamaForCausalLM
+
+    stock_dir, stock_curve = stock
+    curve = _run(tmp_path, 2, "--stage", str(stage))
+    assert [s for s, _ in curve] == list(range(1, 9))
+    worst = _close(curve, stock_curve)
+    print(f"\nstage {stage}: max relative loss difference to the stock Trainer {worst:.2e}")
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    st = open_checkpoint(str(ckpt)).step()
+    assert st.step == 2 and st.world_size == 2 and "scheduler" in st.attrs["stateful"]
+    assert (ckpt / "trainer_state.json").is_file()
+    # Mid-epoch checkpoint (4 steps per epoch), resumed on one rank.
+    resumed = _run(tmp_path / "resume", 1, "--stage", str(stage), "--resume", str(ckpt))
+    worst = _close(resumed, curve, rtol=1e-5)
+    print(f"stage {stage}: resumed on 1 rank from step 2, max relative difference {worst:.2e}")
+    # save_model's directory is a from_pretrained model with the stock run's weights.
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    ours = LlamaForCausalLM.from_pretrained(str(tmp_path / "final")).eval()
+    theirs = LlamaForCausalLM.from_pretrained(str(stock_dir / "final")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _peft_worker(rank, world_size, out):
+    from lora_common import make_base, make_lora_model
+    from peft import PeftModel
+    from transformers import TrainingArguments
+
+    from zerostate.integrations.transformers import ZeroStateTrainer
+
+    args = TrainingArguments(output_dir=f"{out}/run", per_device_train_batch_size=8,
+                             max_steps=3, save_steps=2, learning_rate=1e-2, report_to=[],
+                             use_cpu=True, disable_tqdm=True)  # fmt: skip
+    trainer = ZeroStateTrainer(model=make_lora_model(), args=args, train_dataset=_Tokens())
+    trainer.train()
+    trainer.save_model(f"{out}/adapter")
+    ids = _Tokens()[99]["input_ids"][None]
+    loaded = PeftModel.from_pretrained(make_base(), f"{out}/adapter").eval()
+    trainer.model.eval()
+    with torch.no_grad():
+        return trainer.model(input_ids=ids).logits, loaded(input_ids=ids).logits
+
+
+@pytest.mark.slow
+def test_peft_model_save_model_writes_an_adapter(tmp_path):
+    from helpers_dist import run_distributed
+
+    trained, loaded = run_distributed(_peft_worker, 1, str(tmp_path), timeout=300)[0]
+    written = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= written
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-6)
+    assert open_checkpoint(str(tmp_path / "run" / "checkpoint-2")).step().refs == {}
