@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -172,3 +173,40 @@ def generate(kind: str, out: Path, world_size: int, **kw) -> dict:
     fn = write_deepspeed if kind == "deepspeed" else write_fsdp2_dcp
     results = run_distributed(fn, world_size, str(out), **kw, timeout=600)
     return results[0]
+
+
+def zerostate_continue(rank: int, world_size: int, ckpt: str, stage: int, peer_world: int) -> Any:
+    """Load a peer's checkpoint into a zerostate engine at ``world_size`` ranks and take
+    the peer's next ``NEXT_STEPS`` steps on the same global batches; rank 0 returns the
+    full weights after each step."""
+    import zerostate
+
+    model = build_model()
+    with torch.no_grad():  # the load must replace every value
+        for p in model.parameters():
+            p.add_(1.0)
+    engine = zerostate.Engine(
+        model, stage=stage, lr=0.5, betas=(0.5, 0.5), eps=EPS, weight_decay=0.0
+    )
+    engine.load(ckpt)
+    after = []
+    for step in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS):
+        idx, targets = global_batch(peer_world, step)
+        n = idx.shape[0] // world_size
+        loss = engine(idx[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        after.append({k: v.detach().float().clone() for k, v in engine.full_state_dict().items()})
+    return {"after": after, "steps": engine.optimizer_steps} if rank == 0 else {}
+
+
+def zerostate_load_only(rank: int, world_size: int, ckpt: str) -> str:
+    """``engine.load(ckpt)``; the error's class and message, or ``"loaded"``."""
+    import zerostate
+
+    engine = zerostate.Engine(build_model(), stage=2)
+    try:
+        engine.load(ckpt)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"

@@ -396,8 +396,13 @@ class TorchArchive:
                     name_len, extra_len = struct.unpack_from("<HH", header, 26)
                     start = info.header_offset + 30 + name_len + extra_len
                     self._offsets[name.rsplit("/", 1)[1]] = (start, info.file_size)
-        except zipfile.BadZipFile as exc:
-            raise CorruptCheckpointError(f"{self.url}: not a torch.save archive ({exc})") from None
+        except CorruptCheckpointError:
+            raise
+        except (zipfile.BadZipFile, ValueError, EOFError, struct.error, KeyError) as exc:
+            # UnicodeDecodeError among them: a damaged entry name.
+            raise CorruptCheckpointError(
+                f"{self.url}: not a readable torch.save archive ({type(exc).__name__}: {exc})"
+            ) from None
 
     def load(self) -> Any:
         """The pickled object, with :class:`StoredTensor` in place of every tensor."""
@@ -440,6 +445,8 @@ class TorchArchive:
                             total += len(block)
                             if progress is not None:
                                 progress(len(block))
-        except zipfile.BadZipFile as exc:
-            raise CorruptCheckpointError(f"{self.url}: damaged ({exc})") from None
+        except (zipfile.BadZipFile, ValueError, EOFError, struct.error, KeyError) as exc:
+            raise CorruptCheckpointError(
+                f"{self.url}: damaged ({type(exc).__name__}: {exc})"
+            ) from None
         return total

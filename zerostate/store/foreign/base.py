@@ -103,6 +103,14 @@ class ForeignStep:
     def objects(self) -> list[str]:
         return [a.url for a in self._archives]
 
+    def alias(self, name: str, existing: str) -> None:
+        """Make ``name`` read what ``existing`` reads (a DCP buffer, stored among the
+        model's tensors, under the name a load looks for)."""
+        source = self._sources[existing]
+        self._sources[name] = ForeignTensor(name, source.shape, source.dtype, source.segments)
+        info = self.tensors[existing]
+        self.tensors[name] = TensorInfo(name, info.shape, info.dtype, info.layout)
+
     def rank_state(self, rank: int) -> dict | None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
