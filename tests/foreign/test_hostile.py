@@ -44,8 +44,13 @@ def _hostile_deepspeed(root: Path, marker: Path, where: str) -> Path:
     harmless = {"optimizer_state_dict": {"zero_stage": 2, "partition_count": [1]}}
     optim = {"optimizer_state_dict": {"zero_stage": 2, "loss_scaler": _Payload(marker)}}
     model = {"module": {"w": torch.zeros(2)}, "param_shapes": [], "note": _Payload(marker)}
-    torch.save(optim if where == "optim" else harmless, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    torch.save(model if where == "model" else {"module": {}, "param_shapes": []}, tag / "mp_rank_00_model_states.pt")
+    torch.save(
+        optim if where == "optim" else harmless, tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    )
+    torch.save(
+        model if where == "model" else {"module": {}, "param_shapes": []},
+        tag / "mp_rank_00_model_states.pt",
+    )
     return path
 
 
@@ -99,8 +104,7 @@ def test_a_pickle_cannot_set_attributes_of_allowed_functions(tmp_path):
 
     # GLOBAL torch Size; EMPTY_DICT; NONE -> (None, {"__defaults__": ...}) state; BUILD
     data = (
-        b"\x80\x02ctorch\nSize\nN}q\x00X\x0c\x00\x00\x00__defaults__q\x01"
-        b"(K\x07tq\x02s\x86q\x03b."
+        b"\x80\x02ctorch\nSize\nN}q\x00X\x0c\x00\x00\x00__defaults__q\x01(K\x07tq\x02s\x86q\x03b."
     )
     with pytest.raises(CorruptCheckpointError, match="refused to set state"):
         restricted_loads(data, TORCH_GLOBALS, "test")

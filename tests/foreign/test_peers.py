@@ -80,7 +80,10 @@ def test_verify_finds_a_damaged_byte(peer_checkpoints, tmp_path, name):
     path, _, _ = peer_checkpoints.get(name)
     copy = tmp_path / "copy"
     shutil.copytree(path, copy)
-    victim = max((p for p in copy.rglob("*") if p.suffix in (".pt", ".distcp")), key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in copy.rglob("*") if p.suffix in (".pt", ".distcp")),
+        key=lambda p: p.stat().st_size,
+    )
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside the tensor bytes of the largest file
     victim.write_bytes(bytes(data))

@@ -297,7 +297,13 @@ class StepReader:
     ) -> list[torch.Tensor]:
         """Several ``(name, start, stop, out)`` reads (see :meth:`read_range`), in
         parallel; format 2 overrides it to coalesce adjacent reads."""
-        return self._map(lambda r: self.read_range(*r), list(requests))
+        items = list(requests)
+        if len(items) <= 1:
+            return [self.read_range(*r) for r in items]
+        # A pool of its own: read_range fans out over self._map, which must not wait on
+        # the threads running these requests.
+        with ThreadPoolExecutor(min(4, len(items)), thread_name_prefix="zs-read-many") as pool:
+            return list(pool.map(lambda r: self.read_range(*r), items))
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor with its logical shape."""

@@ -1,2 +1,6 @@
-"""Conformance suites a new checkpoint format (or storage backend) runs to get every test
-at once, as zarr ships ``zarr.testing.store.StoreTests``."""
+"""Conformance suites: a new checkpoint format subclasses :class:`StepReaderTests` and gets
+every test at once, as zarr ships ``zarr.testing.store.StoreTests``. Needs pytest."""
+
+from zerostate.testing.step_reader import StepCase, StepReaderTests
+
+__all__ = ["StepCase", "StepReaderTests"]
