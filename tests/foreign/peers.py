@@ -210,3 +210,67 @@ def zerostate_load_only(rank: int, world_size: int, ckpt: str) -> str:
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return f"{type(exc).__name__}: {exc}"
     return "loaded"
+
+
+def _split(rank: int, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s share of the 2-rank global batch of ``step``."""
+    idx, targets = global_batch(2, step)
+    n = idx.shape[0] // world_size
+    return idx[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n]
+
+
+def zerostate_train_save(rank: int, world_size: int, root: str, stage: int) -> dict:
+    """Train with zerostate (a torch AdamW of the peers' settings), save to ``root``, then
+    take ``NEXT_STEPS`` more steps; rank 0 returns the weights after each."""
+    import zerostate
+
+    model = build_model()
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+    )  # fmt: skip
+    engine = zerostate.Engine(model, stage=stage, optimizer=opt)
+
+    def train(step: int) -> None:
+        engine.backward(engine(*_split(rank, world_size, step)))
+        engine.step()
+
+    for step in range(TRAIN_STEPS):
+        train(step)
+    engine.save(root)
+    after = []
+    for step in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS):
+        train(step)
+        after.append({k: v.detach().float().clone() for k, v in engine.full_state_dict().items()})
+    return {"after": after} if rank == 0 else {}
+
+
+def fsdp2_from_dcp(rank: int, world_size: int, ckpt: str) -> dict:
+    """FSDP2 + AdamW loads ``ckpt`` with get_state_dict / dcp.load / set_state_dict and
+    takes ``NEXT_STEPS`` steps of the same global batches."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model()
+    for module in (model.body, model.out):
+        fully_shard(module)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    loss = model(*_split(rank, world_size, 0))  # creates the optimizer state to load into
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    after = []
+    for step in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS):
+        model(*_split(rank, world_size, step)).backward()
+        opt.step()
+        opt.zero_grad()
+        after.append(
+            {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
+        )
+    return {"after": after} if rank == 0 else {}
