@@ -7,8 +7,6 @@ zerostate root. Every command and ``engine.load`` open checkpoints through here.
 
 from __future__ import annotations
 
-from typing import Any
-
 from zerostate.store.protocol import CheckpointSource
 from zerostate.store.reader import CheckpointReader
 from zerostate.store.storage import open_storage
@@ -30,10 +28,3 @@ def open_source(
     except FileNotFoundError:
         pass  # a missing root: the zerostate reader names the cause
     return CheckpointReader(storage, num_threads)
-
-
-def is_foreign(source: Any) -> bool:
-    """Whether ``source`` (a checkpoint or step) is a peer's format."""
-    return getattr(source, "format_name", None) in ("deepspeed", "dcp") or isinstance(
-        getattr(source, "format_version", None), str
-    )
