@@ -591,13 +591,7 @@ class Checkpointer:
             stop = view.local_start + local.numel()
             requests.append((view.name, view.local_start, stop, out))
             targets.append(None if direct else local)
-        if hasattr(st, "read_many"):
-            results = st.read_many(requests)
-        else:  # format 1: tensor by tensor
-            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="zs-load") as pool:
-                results = list(
-                    pool.map(lambda r: st.read_range(r[0], r[1], r[2], out=r[3]), requests)
-                )
+        results = st.read_many(requests)  # every format batches (see store/protocol.py)
         with torch.no_grad():
             for local, data in zip(targets, results, strict=True):
                 if local is not None:
