@@ -9,6 +9,7 @@ from zerostate_cli.common import (
     add_output_args,
     arg_type,
     human_bytes,
+    open_source,
     print_json,
     progress_bar,
     storage_options,
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     options = storage_options(args, args.ckpt)
     with progress_bar(args, "consolidate") as progress:
         result = consolidate(
-            args.ckpt,
+            open_source(args),
             args.out,
             step=args.step,
             dtype=args.dtype,

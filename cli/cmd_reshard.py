@@ -9,6 +9,7 @@ from zerostate_cli.common import (
     add_output_args,
     arg_type,
     human_bytes,
+    open_source,
     positive_int,
     print_json,
     progress_bar,
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     dst_options = storage_options(args, args.out, "dst")
     with progress_bar(args, "reshard") as progress:
         result = reshard(
-            args.ckpt,
+            open_source(args, "src"),
             args.out,
             args.world_size,
             step=args.step,

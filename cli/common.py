@@ -204,9 +204,15 @@ def human_bytes(num_bytes: float) -> str:
     return format_bytes(num_bytes)
 
 
+def open_source(args: argparse.Namespace, side: str | None = None) -> Any:
+    """Open ``args.ckpt`` in whatever format it holds (zerostate, DeepSpeed ZeRO, DCP):
+    every command reads checkpoints through this."""
+    from zerostate.store.sources import open_source as open_any
+
+    return open_any(args.ckpt, storage_options=storage_options(args, args.ckpt, side))
+
+
 def open_step(args: argparse.Namespace) -> tuple[Any, Any]:
     """Open ``args.ckpt`` and its ``args.step`` (latest committed when None)."""
-    from zerostate.store.reader import open_checkpoint
-
-    ckpt = open_checkpoint(args.ckpt, storage_options=storage_options(args, args.ckpt))
+    ckpt = open_source(args)
     return ckpt, ckpt.step(getattr(args, "step", None))

@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from zerostate_cli import (
     cmd_consolidate,
+    cmd_convert,
     cmd_estimate,
     cmd_inspect,
     cmd_reshard,
@@ -30,7 +31,7 @@ from zerostate_cli.common import CliError
 from zerostate import __version__
 from zerostate.errors import ZerostateError
 
-COMMANDS = (cmd_consolidate, cmd_inspect, cmd_verify, cmd_reshard, cmd_estimate)
+COMMANDS = (cmd_consolidate, cmd_inspect, cmd_verify, cmd_reshard, cmd_estimate, cmd_convert)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -683,7 +683,7 @@ class Checkpointer:
         self, path: str, step: int | None, storage_options: dict | None, strict: bool
     ) -> Any:
         """Open the step, check it fits the model and read this rank's ranges."""
-        st = open_checkpoint(path, storage_options=storage_options).step(step)
+        st = _open_any_step(self.engine, path, step, storage_options)
         self.engine.prepare_engine_state(st.attrs.get("engine", {}), strict=strict)
         views = self.engine.state_views()
         missing = [v.name for v in views if v.name not in st.tensors]
@@ -723,13 +723,7 @@ class Checkpointer:
             stop = view.local_start + local.numel()
             requests.append((view.name, view.local_start, stop, out))
             targets.append(None if direct else local)
-        if hasattr(st, "read_many"):
-            results = st.read_many(requests)
-        else:  # format 1: tensor by tensor
-            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="zs-load") as pool:
-                results = list(
-                    pool.map(lambda r: st.read_range(r[0], r[1], r[2], out=r[3]), requests)
-                )
+        results = st.read_many(requests)  # every format batches (see store/protocol.py)
         with torch.no_grad():
             for local, data in zip(targets, results, strict=True):
                 if local is not None:
@@ -797,3 +791,68 @@ class Checkpointer:
             torch.set_rng_state(rng["cpu"].to(torch.uint8))
         if isinstance(rng.get("cuda"), torch.Tensor) and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"].to(torch.uint8))
+
+
+def _open_any_step(engine: Any, path: str, step: int | None, storage_options: dict | None) -> Any:
+    """Open step ``step`` of the checkpoint at ``path`` in any readable format (zerostate,
+    DeepSpeed ZeRO, DCP); a peer's step is first fitted to ``engine`` (see
+    :func:`_fit_foreign_step`)."""
+    from zerostate.store.sources import open_source
+
+    st = open_source(path, storage_options=storage_options).step(step)
+    state = st.attrs.get("engine")
+    if isinstance(state, dict) and state.get("source") in ("deepspeed", "dcp"):
+        _fit_foreign_step(engine, st, state)
+    return st
+
+
+def _fit_foreign_step(engine: Any, st: Any, state: dict) -> None:
+    """What a peer does not record, the loading engine supplies: its weight tying (DCP
+    stores tied aliases as separate tensors and says nothing of the tie; the aliases must
+    hold the same values), its optimizer classes (when the peer's config does not name
+    one), and its buffer names (DCP does not tell buffers from parameters: a buffer is
+    read from ``model/<name>``)."""
+    if state.get("tied") is None:
+        for alias, canonical in engine.tied.items():
+            if f"model/{alias}" in st.tensors and f"model/{canonical}" in st.tensors:
+                if not torch.equal(st.read(f"model/{alias}"), st.read(f"model/{canonical}")):
+                    raise CheckpointError(
+                        f"this model ties {alias} to {canonical}, but the checkpoint at "
+                        f"{st.url} holds different values for them"
+                    )
+        state["tied"] = dict(engine.tied)
+    optimizer = state.get("optimizer")
+    if isinstance(optimizer, dict) and optimizer.get("classes") is None:
+        optimizer["classes"] = [type(opt).__name__ for opt in engine._optimizer.inner]
+    if isinstance(optimizer, dict):
+        _regroup(engine, optimizer, st.url)
+    alias = getattr(st, "alias", None)
+    for view in engine.state_views():
+        model_name = "model/" + view.name.removeprefix("buffers/")
+        if view.name.startswith("buffers/") and view.name not in st.tensors and alias:
+            if model_name in st.tensors:
+                alias(view.name, model_name)
+
+
+def _regroup(engine: Any, optimizer: dict, url: str) -> None:
+    """Give the peer's group hyperparameters to the engine's own param groups: each engine
+    group takes the settings of the peer group its parameters were in (the engine's
+    built-in AdamW splits decay / no-decay parameters, a peer may keep them in one group,
+    decaying all; the run continues as the peer ran it)."""
+    mine = [[sp.name for sp in members] for members in engine._optimizer.group_members]
+    theirs = optimizer.get("group_params")
+    hyper = optimizer.get("param_groups")
+    if theirs == mine or not isinstance(theirs, list) or not isinstance(hyper, list):
+        return
+    where = {n: i for i, members in enumerate(theirs) for n in members}
+    regrouped = []
+    for members in mine:
+        groups = {where.get(n) for n in members}
+        if None in groups or len(groups) > 1:
+            raise CheckpointError(
+                f"the checkpoint at {url} groups the parameters {members} differently "
+                f"(its groups: {theirs}); build the engine with an optimizer whose param "
+                "groups match the run that saved it"
+            )
+        regrouped.append(hyper[groups.pop()] if groups else (hyper[0] if hyper else {}))
+    optimizer["group_params"], optimizer["param_groups"] = mine, regrouped

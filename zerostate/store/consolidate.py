@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from zerostate.errors import ConfigError, CorruptCheckpointError
-from zerostate.store.reader import open_checkpoint
+from zerostate.store.protocol import CheckpointSource
+from zerostate.store.sources import open_source
 from zerostate.store.storage import location_contains
 
 #: Called as ``progress(bytes_done, bytes_total)`` after each piece is written.
@@ -417,9 +418,9 @@ def iter_chunk_payloads(st: Any, names: list[str]) -> Iterator[ChunkPayload]:
 
 
 def _open(ckpt: Any, storage_options: dict | None) -> Any:
-    if hasattr(ckpt, "step") and hasattr(ckpt, "steps"):
+    if isinstance(ckpt, CheckpointSource):
         return ckpt
-    return open_checkpoint(os.fspath(ckpt), storage_options=storage_options)
+    return open_source(os.fspath(ckpt), storage_options=storage_options)
 
 
 def _local_path(out: str | os.PathLike) -> Path:

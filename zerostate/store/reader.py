@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -313,6 +313,19 @@ class StepReader:
                 f"{what} fails its checksum (crc32c {actual:#010x}, stored {stored:#010x}, "
                 f"commit record {record.crc32c:#010x}): the data is damaged"
             )
+
+    def read_many(
+        self, requests: Iterable[tuple[str, int, int, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        """Several ``(name, start, stop, out)`` reads (see :meth:`read_range`), in
+        parallel; format 2 overrides it to coalesce adjacent reads."""
+        items = list(requests)
+        if len(items) <= 1:
+            return [self.read_range(*r) for r in items]
+        # A pool of its own: read_range fans out over self._map, which must not wait on
+        # the threads running these requests.
+        with ThreadPoolExecutor(min(4, len(items)), thread_name_prefix="zs-read-many") as pool:
+            return list(pool.map(lambda r: self.read_range(*r), items))
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor with its logical shape."""

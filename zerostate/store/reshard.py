@@ -29,6 +29,7 @@ from zerostate.errors import ConfigError
 from zerostate.partition import even_layout, plan_layouts
 from zerostate.store.reader import delete_step, open_checkpoint, remove_partial_steps
 from zerostate.store.rows import LazyShard
+from zerostate.store.sources import open_source
 from zerostate.store.storage import canonical_location, locations_overlap
 from zerostate.store.writer import StepWriter, TensorSpec
 
@@ -83,7 +84,7 @@ def reshard(
             f"lies inside the other (they resolve to {canonical_location(src_url)!r} and "
             f"{canonical_location(dst)!r}); reshard into a separate directory or prefix"
         )
-    reader = src if opened else open_checkpoint(src_url, storage_options=storage_options)
+    reader = src if opened else open_source(src_url, storage_options=storage_options)
     st = reader.step(step)
 
     existing = open_checkpoint(dst, storage_options=dst_storage_options)

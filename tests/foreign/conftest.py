@@ -1,0 +1,62 @@
+"""Peer checkpoints, written once per session by DeepSpeed and FSDP2 + DCP themselves."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.foreign import peers
+
+#: (name, kind, world size, keyword arguments of the writer)
+DEEPSPEED_CASES = [
+    ("ds1-fp32-2", 2, {"stage": 1, "bf16": False}),
+    ("ds2-fp32-2", 2, {"stage": 2, "bf16": False}),
+    ("ds3-fp32-2", 2, {"stage": 3, "bf16": False}),
+    ("ds1-bf16-2", 2, {"stage": 1, "bf16": True}),
+    ("ds3-bf16-2", 2, {"stage": 3, "bf16": True}),
+    ("ds2-fp32-4", 4, {"stage": 2, "bf16": False}),
+    ("ds3-fp32-4", 4, {"stage": 3, "bf16": False}),
+]
+
+
+class PeerCheckpoints:
+    """Generates each peer checkpoint on first use; keeps what the peer did next."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._made: dict[str, tuple[Path, dict]] = {}
+
+    def get(self, name: str) -> tuple[Path, dict, int]:
+        """``(path, {"after": [weights after each next step]}, world size)``."""
+        if name == "dcp-2":
+            kind, world, kw = "dcp", 2, {}
+        else:
+            _, world, kw = next(c for c in DEEPSPEED_CASES if c[0] == name)
+            kind = "deepspeed"
+        if name not in self._made:
+            out = self.root / name
+            self._made[name] = (out, peers.generate(kind, out, world, **kw))
+        path, result = self._made[name]
+        return path, result, world
+
+
+@pytest.fixture(scope="session")
+def peer_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> PeerCheckpoints:
+    return PeerCheckpoints(tmp_path_factory.mktemp("peers"))
+
+
+def run_cli(*argv: str) -> SimpleNamespace:
+    """One in-process ``zerostate`` call: ``returncode``, ``stdout``, ``stderr``."""
+    from zerostate_cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:
+            code = exc.code
+    return SimpleNamespace(returncode=int(code or 0), stdout=out.getvalue(), stderr=err.getvalue())

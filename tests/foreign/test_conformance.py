@@ -1,0 +1,64 @@
+"""zerostate's formats 1 and 2 and the DeepSpeed and DCP readers pass one step-reader
+conformance suite (``zerostate.testing.StepReaderTests``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.foreign.test_peers import _reference
+from zerostate.store.sources import open_source
+from zerostate.testing import StepCase, StepReaderTests
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+def _golden(version: int) -> StepCase:
+    golden = FIXTURES / f"golden-v{version}"
+    expected = json.loads((golden / "expected.json").read_text())["tensors"]
+    ckpt = open_source(str(golden / "ckpt"))
+    return StepCase(ckpt, ckpt.step(), {n: w["sha256"] for n, w in expected.items()})
+
+
+class TestFormat1(StepReaderTests):
+    @pytest.fixture
+    def case(self) -> StepCase:
+        return _golden(1)
+
+
+class TestFormat2(StepReaderTests):
+    @pytest.fixture
+    def case(self) -> StepCase:
+        return _golden(2)
+
+
+def _peer_case(peer_checkpoints, name: str) -> StepCase:
+    path, _, _ = peer_checkpoints.get(name)
+    ckpt = open_source(str(path))
+    st = ckpt.step()
+    expected = {}
+    for key, tensor in _reference(path, name).items():
+        for candidate in (f"model/{key}", f"buffers/{key}"):
+            if candidate in st.tensors:
+                expected[candidate] = tensor
+    return StepCase(ckpt, st, expected)
+
+
+class TestDeepSpeedStage2(StepReaderTests):
+    @pytest.fixture
+    def case(self, peer_checkpoints) -> StepCase:
+        return _peer_case(peer_checkpoints, "ds2-fp32-2")
+
+
+class TestDeepSpeedStage3(StepReaderTests):
+    @pytest.fixture
+    def case(self, peer_checkpoints) -> StepCase:
+        return _peer_case(peer_checkpoints, "ds3-fp32-4")
+
+
+class TestDcp(StepReaderTests):
+    @pytest.fixture
+    def case(self, peer_checkpoints) -> StepCase:
+        return _peer_case(peer_checkpoints, "dcp-2")

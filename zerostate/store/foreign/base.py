@@ -1,0 +1,266 @@
+"""What the foreign readers share: a logical tensor assembled from byte ranges of the
+peer's files (:class:`Segment`), and a step reader over such tensors (:class:`ForeignStep`).
+
+[Note: foreign segments]
+A peer stores a logical tensor as pieces of its own files: DeepSpeed as slices of each
+rank's flat fp32 partition, DCP as one ``torch.save`` item per chunk. A reader lists, per
+tensor, which elements of the flat logical tensor each piece holds; the lists are checked
+to cover every element exactly once when the step is opened, so a read of ``[start,
+stop)`` is plain interval intersection and each piece is fetched by byte range. Nothing is
+read whole: a consolidation holds one tensor, a load one rank's ranges.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerostate.errors import ConfigError, CorruptCheckpointError
+from zerostate.partition import even_layout
+from zerostate.store.format import TensorInfo
+from zerostate.store.safe_unpickle import StoredTensor, TorchArchive
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Elements ``[dst, dst + numel)`` of a logical tensor are elements ``[src, src +
+    numel)`` of ``tensor`` in ``archive`` (cast to the logical dtype if they differ)."""
+
+    dst: int
+    numel: int
+    archive: TorchArchive
+    tensor: StoredTensor
+    src: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    segments: tuple[Segment, ...]
+
+
+def check_cover(tensor: ForeignTensor, where: str) -> None:
+    """The segments must tile ``[0, numel)`` and lie inside their stored tensors."""
+    numel = 1
+    for d in tensor.shape:
+        numel *= d
+    at = 0
+    for seg in sorted(tensor.segments, key=lambda s: s.dst):
+        if seg.dst != at or seg.numel < 0 or seg.src < 0 or seg.src + seg.numel > seg.tensor.numel:
+            raise CorruptCheckpointError(
+                f"{where}: the pieces of {tensor.name!r} do not tile its {numel} elements "
+                f"(a piece at {seg.dst}, expected {at}): the checkpoint is incomplete"
+            )
+        at += seg.numel
+    if at != numel:
+        raise CorruptCheckpointError(
+            f"{where}: the pieces of {tensor.name!r} hold {at} of its {numel} elements"
+        )
+
+
+class ForeignStep:
+    """One step of a peer's checkpoint behind the step-reader protocol."""
+
+    format_version: str = "foreign"
+
+    def __init__(
+        self,
+        url: str,
+        step: int,
+        world_size: int,
+        attrs: dict,
+        tensors: list[ForeignTensor],
+        archives: list[TorchArchive],
+        num_threads: int = 4,
+    ) -> None:
+        self.url, self.step, self.world_size, self.attrs = url, step, world_size, attrs
+        self._sources = {t.name: t for t in tensors}
+        for t in tensors:
+            check_cover(t, url)
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, t.shape, t.dtype, even_layout(_numel(t.shape), 1))
+            for t in tensors
+        }
+        self._archives = archives
+        self._num_threads = num_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, {len(self.tensors)} tensors)"
+
+    @property
+    def object_count(self) -> int:
+        return len(self._archives)
+
+    def objects(self) -> list[str]:
+        return [a.url for a in self._archives]
+
+    def alias(self, name: str, existing: str) -> None:
+        """Make ``name`` read what ``existing`` reads (a DCP buffer, stored among the
+        model's tensors, under the name a load looks for)."""
+        source = self._sources[existing]
+        self._sources[name] = ForeignTensor(name, source.shape, source.dtype, source.segments)
+        info = self.tensors[existing]
+        self.tensors[name] = TensorInfo(name, info.shape, info.dtype, info.layout)
+
+    def rank_state(self, rank: int) -> dict | None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        return None
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.url} has no tensor {name!r}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> ForeignStep:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------- reads
+    def read_range(
+        self, name: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flat tensor as a 1-D tensor (into ``out``)."""
+        info = self.info(name)
+        if not (isinstance(start, int) and isinstance(stop, int)) or not (
+            0 <= start <= stop <= info.numel
+        ):
+            raise ConfigError(f"{name}: range [{start}, {stop}) is outside [0, {info.numel})")
+        if out is None:
+            out = torch.empty(stop - start, dtype=info.dtype)
+        elif out.dtype != info.dtype or out.numel() != stop - start or not out.is_contiguous():
+            raise ConfigError(
+                f"{name}: out must be a contiguous 1-D {info.dtype} tensor of {stop - start} "
+                f"elements, got {out.dtype} {tuple(out.shape)}"
+            )
+        flat = out.view(-1)
+        for seg in self._sources[name].segments:
+            lo, hi = max(start, seg.dst), min(stop, seg.dst + seg.numel)
+            if lo >= hi:
+                continue
+            a, b = seg.src + lo - seg.dst, seg.src + hi - seg.dst
+            dest = flat[lo - start : hi - start]
+            if seg.tensor.dtype == info.dtype:
+                seg.archive.read(seg.tensor, a, b, out=dest)
+            else:
+                dest.copy_(seg.archive.read(seg.tensor, a, b))
+        return out
+
+    def read_many(
+        self, requests: Iterable[tuple[str, int, int, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        items = list(requests)
+        return self._map(lambda r: self.read_range(*r), items)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self.info(name)
+        return self.read_range(name, 0, info.numel).reshape(info.shape)
+
+    def read_chunk(self, name: str, index: int) -> memoryview:
+        info = self.info(name)
+        if not 0 <= index < info.layout.num_chunks:
+            raise IndexError(f"{name}: chunk {index} out of range [0, {info.layout.num_chunks})")
+        start, stop = info.layout.chunk_range(index)
+        out = self.read_range(name, start, stop)
+        return memoryview(out.view(torch.uint8).numpy()).cast("B")
+
+    def verify(self, progress: Callable[[int], Any] | None = None) -> None:
+        """Read every byte of every file and check the zip CRC-32 of every entry."""
+        problems: list[str] = []
+        for archive in self._archives:
+            try:
+                archive.verify(progress)
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise CorruptCheckpointError(
+                f"{self.url}: {len(problems)} problem(s): " + "; ".join(problems[:20])
+            )
+
+    def _map(self, fn: Callable, items: list) -> list:
+        if len(items) <= 1 or self._num_threads <= 1:
+            return [fn(x) for x in items]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="zs-peer")
+            pool = self._pool
+        return list(pool.map(fn, items))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def foreign_engine_state(
+    *,
+    step: int,
+    stage: int | None,
+    precision: str | None,
+    world_size: int,
+    tied: dict[str, str] | None,
+    frozen: list[str],
+    optimizer_class: str | None,
+    group_params: list[list[str]],
+    param_groups: list[dict],
+    scalars: dict[str, dict[str, Any]],
+    moments: dict[str, list[str]],
+    source: str,
+) -> dict:
+    """Engine attrs (the engine-state document zerostate saves) for a peer's step.
+
+    ``tied`` or ``optimizer_class`` None mean the peer does not record them; the engine
+    that loads the step fills in its own (``zerostate.checkpoint`` does, for foreign
+    steps only)."""
+    from zerostate import jsonstate
+    from zerostate.engine import ENGINE_STATE_VERSION
+    from zerostate.optim import OPTIMIZER_STATE_VERSION
+
+    state = {
+        name: {
+            "tensors": moments[name],
+            "scalars": {
+                k: jsonstate.encode(v, f"optimizer state {k} of {name}")
+                for k, v in scalars.get(name, {}).items()
+            },
+        }
+        for name in moments
+    }
+    return {
+        "version": ENGINE_STATE_VERSION,
+        "step": int(step),
+        "stage": stage,
+        "precision": precision,
+        "world_size": world_size,
+        "tied": tied,
+        "frozen": frozen,
+        "non_persistent_buffers": [],
+        "source": source,
+        "optimizer": {
+            "version": OPTIMIZER_STATE_VERSION,
+            "classes": [optimizer_class] if optimizer_class else None,
+            "group_params": group_params,
+            "param_groups": [jsonstate.encode(g, "param group") for g in param_groups],
+            "state": state,
+        },
+    }

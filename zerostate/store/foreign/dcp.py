@@ -1,0 +1,353 @@
+"""torch.distributed.checkpoint (DCP) directories behind the step-reader protocol.
+
+A DCP directory holds ``.metadata`` (a pickled ``Metadata``: every flattened key's tensor
+chunks or byte item, where each lies, and ``planner_data`` mapping a flat key back to its
+path in the nested state dict) and ``__<rank>_<n>.distcp`` files of ``torch.save`` items
+at byte offsets. ``.metadata`` goes through the restricted unpickler with the DCP metadata
+stand-ins only; every item through the torch one. Items are read by byte range.
+
+Names (see [Note: DCP names]) follow what ``get_state_dict`` and torchtitan write: a
+``{"model": ..., "optimizer": ...}`` dict, a bare model state dict, and the optimizer
+layouts keyed by parameter FQN (nested ``state`` / ``param_groups``, or torchtitan's
+flattened ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>``).
+
+[Note: DCP names]
+``model.<fqn>`` (or a bare top-level tensor ``<fqn>``) becomes ``model/<fqn>``; DCP does
+not tell parameters from buffers, so buffers are ``model/<name>`` too (an export treats
+both alike; a load looks a buffer up there). Optimizer state ``state.<fqn>.<key>``
+becomes ``optim/<key>/<fqn>`` when it has the parameter's shape and a scalar (``step``)
+otherwise; ``param_groups`` give the group hyperparameters and membership.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from zerostate.errors import CheckpointNotFoundError, CorruptCheckpointError
+from zerostate.store.foreign.base import (
+    ForeignStep,
+    ForeignTensor,
+    Segment,
+    foreign_engine_state,
+)
+from zerostate.store.format import validate_name
+from zerostate.store.safe_unpickle import (
+    DCP_GLOBALS,
+    MAX_PICKLE_NBYTES,
+    TORCH_GLOBALS,
+    Record,
+    StoredTensor,
+    TorchArchive,
+    object_size,
+    restricted_loads,
+)
+from zerostate.store.storage import Storage
+
+METADATA = ".metadata"
+METADATA_ALLOWED = {**TORCH_GLOBALS, **DCP_GLOBALS}
+_RANK_FILE = re.compile(r"__(\d{1,6})_\d{1,6}\.distcp")
+
+
+def is_dcp(storage: Storage) -> bool:
+    return storage.exists(METADATA)
+
+
+class DcpCheckpoint:
+    """A DCP directory: one step, numbered by the optimizer's step count (0 if none)."""
+
+    format_name = "dcp"
+
+    def __init__(self, storage: Storage, num_threads: int = 8) -> None:
+        self._storage, self._num_threads = storage, num_threads
+        self._step: DcpStep | None = None
+
+    @property
+    def url(self) -> str:
+        return self._storage.url
+
+    def _open(self) -> DcpStep:
+        if self._step is None:
+            self._step = open_dcp(self._storage, self._num_threads)
+        return self._step
+
+    def steps(self) -> list[int]:
+        return [self._open().step]
+
+    def scan(self) -> tuple[list[int], list[int]]:
+        return self.steps(), []
+
+    def step(self, step: int | None = None) -> DcpStep:
+        st = self._open()
+        if step is not None and step != st.step:
+            raise CheckpointNotFoundError(
+                f"{self.url} is a DCP checkpoint of step {st.step}, not {step}"
+            )
+        return st
+
+
+class DcpStep(ForeignStep):
+    format_version = "dcp"
+
+
+def _fields(obj: Any, kind: str, where: str) -> dict:
+    if not isinstance(obj, Record) or obj.kind != kind:
+        raise CorruptCheckpointError(f"{where}: expected a DCP {kind}, got {type(obj).__name__}")
+    return obj.fields
+
+
+def _dtype_of(props: Any, where: str) -> torch.dtype:
+    fields = _fields(props, "TensorProperties", where)
+    dtype = fields.get("dtype")
+    state = fields.get("__state__")
+    if dtype is None and isinstance(state, tuple) and state:
+        dtype = state[0]
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{where}: a tensor has no dtype")
+    return dtype
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, tuple | list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise CorruptCheckpointError(f"{where}: malformed sizes {value!r:.80}")
+    return tuple(value)
+
+
+def open_dcp(storage: Storage, num_threads: int = 8) -> DcpStep:
+    url = storage.url
+    where = storage.url_of(METADATA)
+    try:
+        size = object_size(storage, METADATA)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{url} has no {METADATA}: not a DCP checkpoint") from None
+    if size > MAX_PICKLE_NBYTES:
+        raise CorruptCheckpointError(f"{where} is {size} bytes, too large to be metadata")
+    meta = _fields(
+        restricted_loads(storage.read(METADATA), METADATA_ALLOWED, where), "Metadata", where
+    )
+    entries = meta.get("state_dict_metadata")
+    storage_data = meta.get("storage_data")
+    planner = meta.get("planner_data") or {}
+    if not isinstance(entries, dict) or not isinstance(storage_data, dict):
+        raise CorruptCheckpointError(f"{where}: no state_dict_metadata / storage_data")
+    locations: dict[tuple[str, tuple[int, ...]], dict] = {}
+    files: set[str] = set()
+    for index, info in storage_data.items():
+        idx = _fields(index, "MetadataIndex", where)
+        loc = _fields(info, "_StorageInfo", where)
+        path = validate_name(loc.get("relative_path"), what="DCP file name")
+        if "/" in path or not all(isinstance(loc.get(k), int) for k in ("offset", "length")):
+            raise CorruptCheckpointError(f"{where}: malformed storage location {loc!r:.120}")
+        if loc.get("transform_descriptors"):
+            raise CorruptCheckpointError(
+                f"{where}: item {idx.get('fqn')!r} is stored with transforms "
+                f"{loc['transform_descriptors']!r:.80}, which zerostate does not read"
+            )
+        files.add(path)
+        offset = idx.get("offset")
+        key = (str(idx.get("fqn")), tuple(offset) if isinstance(offset, tuple | list) else ())
+        locations[key] = loc
+    archives: dict[tuple[str, int], TorchArchive] = {}
+
+    def item(fqn: str, offset: tuple[int, ...]) -> TorchArchive:
+        loc = locations.get((fqn, offset))
+        if loc is None:
+            raise CorruptCheckpointError(f"{where}: no stored item for {fqn!r} at {offset}")
+        key = (loc["relative_path"], loc["offset"])
+        if key not in archives:
+            archives[key] = TorchArchive(
+                storage, loc["relative_path"], TORCH_GLOBALS, base=loc["offset"], size=loc["length"]
+            )
+        return archives[key]
+
+    builder = _Names()
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{where}: a key is not a string")
+        path = planner.get(fqn, (fqn,))
+        path = tuple(str(p) for p in path) if isinstance(path, tuple | list) else (fqn,)
+        if isinstance(entry, Record) and entry.kind == "BytesStorageMetadata":
+            value = item(fqn, ()).load()
+            builder.add_object(path, value)
+            continue
+        fields = _fields(entry, "TensorStorageMetadata", where)
+        shape = _ints(fields.get("size"), where)
+        dtype = _dtype_of(fields.get("properties"), where)
+        segments = []
+        for chunk in fields.get("chunks") or []:
+            c = _fields(chunk, "ChunkStorageMetadata", where)
+            offsets, sizes = _ints(c.get("offsets"), where), _ints(c.get("sizes"), where)
+            archive = item(fqn, offsets)
+            stored = archive.load()
+            if not isinstance(stored, StoredTensor) or stored.shape != sizes:
+                raise CorruptCheckpointError(f"{archive.url}: not the {sizes} chunk of {fqn!r}")
+            segments += _chunk_segments(shape, offsets, sizes, archive, stored, where)
+        builder.add_tensor(path, ForeignTensor(fqn, shape, dtype, tuple(segments)))
+    ranks = {int(m.group(1)) for f in files if (m := _RANK_FILE.fullmatch(f))}
+    return builder.build(url, max(len(ranks), 1), list(archives.values()), num_threads)
+
+
+def _chunk_segments(
+    shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...],
+    archive: TorchArchive, stored: StoredTensor, where: str,
+) -> list[Segment]:  # fmt: skip
+    """Flat runs of one N-d chunk: the trailing dimensions the chunk spans whole are one
+    run, repeated over the leading indices."""
+    if (
+        len(offsets) != len(shape)
+        or len(sizes) != len(shape)
+        or any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True))
+    ):
+        raise CorruptCheckpointError(f"{where}: a chunk lies outside its tensor {shape}")
+    if not shape:
+        return [Segment(0, 1, archive, stored)]
+    k = len(shape) - 1  # dims after k are whole in the chunk; a run spans dims k..
+    while k > 0 and sizes[k] == shape[k] and offsets[k] == 0:
+        k -= 1
+    run = 1
+    for s in sizes[k:]:
+        run *= s
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    lead = sizes[:k]
+    count = 1
+    for s in lead:
+        count *= s
+    segs = []
+    for n in range(count if run else 0):
+        idx, rem = [], n
+        for s in reversed(lead):
+            idx.append(rem % s)
+            rem //= s
+        idx.reverse()
+        flat = sum((offsets[i] + idx[i]) * strides[i] for i in range(k)) + offsets[k] * strides[k]
+        segs.append(Segment(flat, run, archive, stored, n * run))
+    return segs
+
+
+class _Names:
+    """Sorts DCP keys into model tensors, optimizer state and other objects."""
+
+    def __init__(self) -> None:
+        self.model: dict[str, ForeignTensor] = {}
+        self.optim: dict[str, dict[str, Any]] = {}  # fqn -> key -> tensor or value
+        self.groups: dict[int, dict[str, Any]] = {}
+        self.param_hyper: dict[str, dict[str, Any]] = {}
+        self.objects: list[str] = []
+
+    def add_tensor(self, path: tuple[str, ...], tensor: ForeignTensor) -> None:
+        if path[0] == "optimizer" or path[0] == "optim":
+            self._optim(path[1:], tensor)
+        elif path[0] == "model" and len(path) > 1:
+            self.model[".".join(path[1:])] = tensor
+        elif len(path) == 1:
+            self.model[path[0]] = tensor
+        else:
+            self.objects.append(".".join(path))
+
+    def add_object(self, path: tuple[str, ...], value: Any) -> None:
+        if path[0] in ("optimizer", "optim"):
+            self._optim(path[1:], value)
+        else:
+            self.objects.append(".".join(path))
+
+    def _optim(self, path: tuple[str, ...], value: Any) -> None:
+        if len(path) == 1:  # torchtitan: flattened "state.<fqn>.<key>" in one component
+            head, _, rest = path[0].partition(".")
+            fqn, _, key = rest.rpartition(".")
+            path = (head, fqn, key)
+        if len(path) == 3 and path[0] == "state":
+            self.optim.setdefault(path[1], {})[path[2]] = value
+        elif len(path) == 3 and path[0] == "param_groups" and path[1].isdigit():
+            self.groups.setdefault(int(path[1]), {})[path[2]] = value
+        elif len(path) == 3 and path[0] == "param_groups":
+            self.param_hyper.setdefault(path[1], {})[path[2]] = value
+        else:
+            self.objects.append("optimizer." + ".".join(path))
+
+    def build(
+        self, url: str, world_size: int, archives: list[TorchArchive], num_threads: int
+    ) -> DcpStep:
+        tensors: list[ForeignTensor] = []
+        for fqn, t in self.model.items():
+            tensors.append(ForeignTensor(f"model/{fqn}", t.shape, t.dtype, t.segments))
+        moments: dict[str, list[str]] = {}
+        scalars: dict[str, dict[str, Any]] = {}
+        probe = ForeignStep(url, 0, world_size, {}, [], [], 1)
+        for fqn, state in self.optim.items():
+            param = self.model.get(fqn)
+            keys = []
+            for key, value in state.items():
+                if (
+                    isinstance(value, ForeignTensor)
+                    and param is not None
+                    and value.shape == param.shape
+                ):
+                    tensors.append(
+                        ForeignTensor(
+                            f"optim/{key}/{fqn}", value.shape, value.dtype, value.segments
+                        )
+                    )
+                    keys.append(key)
+                elif isinstance(value, ForeignTensor):
+                    scalars.setdefault(fqn, {})[key] = _read_whole(probe, value)
+                elif isinstance(value, int | float | bool):
+                    scalars.setdefault(fqn, {})[key] = value
+            moments[fqn] = sorted(keys)
+        group_params, hyper = self._groups()
+        steps = [
+            float(s["step"]) for s in scalars.values() if isinstance(s.get("step"), torch.Tensor)
+        ]
+        step = int(max(steps)) if steps else 0
+        attrs = {
+            "engine": foreign_engine_state(
+                step=step,
+                stage=None,
+                precision=None,
+                world_size=world_size,
+                tied=None,
+                frozen=[],
+                optimizer_class=None,
+                group_params=group_params,
+                param_groups=hyper,
+                scalars=scalars,
+                moments=moments,
+                source="dcp",
+            ),
+            "client_state": None,
+            "dcp": {"other_keys": sorted(self.objects)},
+        }
+        return DcpStep(url, step, world_size, attrs, tensors, archives, num_threads)
+
+    def _groups(self) -> tuple[list[list[str]], list[dict]]:
+        if self.groups:
+            names, hyper = [], []
+            for i in sorted(self.groups):
+                g = dict(self.groups[i])
+                params = g.pop("params", [])
+                names.append([str(p) for p in params] if isinstance(params, list) else [])
+                hyper.append(g)
+            return names, hyper
+        # Flattened: per-parameter hyperparameters; equal ones form one group, in order.
+        names, hyper = [], []
+        for fqn, h in self.param_hyper.items():
+            if hyper and hyper[-1] == h:
+                names[-1].append(fqn)
+            else:
+                names.append([fqn])
+                hyper.append(h)
+        return names, hyper
+
+
+def _read_whole(step: ForeignStep, tensor: ForeignTensor) -> torch.Tensor:
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    flat = out.view(-1)
+    for seg in tensor.segments:
+        dest = flat[seg.dst : seg.dst + seg.numel]
+        dest.copy_(seg.archive.read(seg.tensor, seg.src, seg.src + seg.numel))
+    return out

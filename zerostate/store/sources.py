@@ -1,0 +1,30 @@
+"""Open a checkpoint of any readable format: zerostate's own, DeepSpeed ZeRO, or DCP.
+
+The format is chosen by what the location holds, never by its name: a DCP ``.metadata``,
+a DeepSpeed ``latest`` file, ``global_step*`` tag or ``*_optim_states.pt`` files, else a
+zerostate root. Every command and ``engine.load`` open checkpoints through here.
+"""
+
+from __future__ import annotations
+
+from zerostate.store.protocol import CheckpointSource
+from zerostate.store.reader import CheckpointReader
+from zerostate.store.storage import open_storage
+
+
+def open_source(
+    root: str, storage_options: dict | None = None, *, num_threads: int = 8
+) -> CheckpointSource:
+    """The checkpoint at ``root`` (path or fsspec URL), whatever its format."""
+    from zerostate.store.foreign.dcp import DcpCheckpoint, is_dcp
+    from zerostate.store.foreign.deepspeed import DeepSpeedCheckpoint, is_deepspeed
+
+    storage = open_storage(root, storage_options)
+    try:
+        if is_dcp(storage):
+            return DcpCheckpoint(storage, num_threads)
+        if is_deepspeed(storage):
+            return DeepSpeedCheckpoint(storage, num_threads)
+    except FileNotFoundError:
+        pass  # a missing root: the zerostate reader names the cause
+    return CheckpointReader(storage, num_threads)

@@ -1,0 +1,136 @@
+"""``StepReaderTests``: the conformance suite every step format passes.
+
+Subclass it in a pytest module and define the ``case`` fixture returning a
+:class:`StepCase` (an opened checkpoint, one of its steps, and what some of its tensors
+must hold, worked out independently of the reader); every test then runs against that
+format. zerostate's formats 1 and 2, DeepSpeed ZeRO and DCP all run it (see
+``tests/foreign/test_conformance.py``)::
+
+    class TestMyFormat(StepReaderTests):
+        @pytest.fixture
+        def case(self):
+            ckpt = open_source(PATH)
+            return StepCase(ckpt, ckpt.step(), expected={"model/w": torch.ones(3)})
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from zerostate.errors import ConfigError
+from zerostate.store.protocol import CheckpointSource, StepSource
+
+
+@dataclass
+class StepCase:
+    checkpoint: Any
+    step: Any
+    #: name -> the full tensor, or the sha256 of its bytes (flat, as stored).
+    expected: dict[str, torch.Tensor | str] = field(default_factory=dict)
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(
+        t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    ).hexdigest()
+
+
+def _pieces(numel: int) -> list[tuple[int, int]]:
+    """Uneven cuts of ``[0, numel)``: odd sizes, an empty piece, the whole."""
+    cuts = sorted({0, numel, numel // 3, (2 * numel) // 3 + 1 if numel > 2 else numel})
+    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False)] + [(numel // 2, numel // 2)]
+
+
+class StepReaderTests:
+    """Conformance tests of the step-reader protocol (``zerostate.store.protocol``)."""
+
+    @pytest.fixture
+    def case(self) -> StepCase:
+        raise NotImplementedError("define a `case` fixture returning a StepCase")
+
+    def test_satisfies_the_protocol(self, case: StepCase) -> None:
+        assert isinstance(case.checkpoint, CheckpointSource)
+        assert isinstance(case.step, StepSource)
+        assert isinstance(case.step.attrs, dict)
+        assert case.step.world_size >= 1 and case.step.object_count >= 1
+        assert case.step.tensors, "a step holds tensors"
+
+    def test_the_checkpoint_lists_and_reopens_the_step(self, case: StepCase) -> None:
+        assert case.step.step in case.checkpoint.steps()
+        again = case.checkpoint.step(case.step.step)
+        assert set(again.tensors) == set(case.step.tensors)
+
+    def test_expected_tensors(self, case: StepCase) -> None:
+        assert case.expected, "a case names at least one tensor it knows independently"
+        for name, want in case.expected.items():
+            info = case.step.info(name)
+            got = case.step.read(name)
+            assert tuple(got.shape) == tuple(info.shape) and got.dtype == info.dtype, name
+            if isinstance(want, str):
+                assert _sha256(got) == want, name
+            else:
+                assert tuple(want.shape) == tuple(info.shape), name
+                assert torch.equal(got, want.to(got.dtype)), name
+
+    def test_ranges_equal_the_whole(self, case: StepCase) -> None:
+        for name, info in case.step.tensors.items():
+            flat = case.step.read(name).reshape(-1)
+            assert flat.numel() == info.numel == info.layout.numel
+            assert info.nbytes == info.numel * info.dtype.itemsize
+            for start, stop in _pieces(info.numel):
+                part = case.step.read_range(name, start, stop)
+                assert part.dtype == info.dtype and part.shape == (stop - start,)
+                assert torch.equal(part, flat[start:stop]), (name, start, stop)
+
+    def test_reads_land_in_out(self, case: StepCase) -> None:
+        for name, info in case.step.tensors.items():
+            out = torch.full((info.numel,), 0, dtype=info.dtype)
+            got = case.step.read_range(name, 0, info.numel, out=out)
+            assert got.data_ptr() == out.data_ptr()
+            assert torch.equal(out, case.step.read(name).reshape(-1))
+
+    def test_read_many_equals_single_reads(self, case: StepCase) -> None:
+        requests = []
+        for name, info in case.step.tensors.items():
+            requests += [(name, a, b, None) for a, b in _pieces(info.numel)]
+        results = case.step.read_many(requests)
+        assert len(results) == len(requests)
+        for (name, a, b, _), got in zip(requests, results, strict=True):
+            assert torch.equal(got, case.step.read_range(name, a, b)), (name, a, b)
+
+    def test_chunks_cover_the_tensor(self, case: StepCase) -> None:
+        for name, info in case.step.tensors.items():
+            want = case.step.read(name).reshape(-1).view(torch.uint8).numpy().tobytes()
+            got = b""
+            for index in range(info.layout.num_chunks):
+                start, stop = info.layout.chunk_range(index)
+                got += bytes(case.step.read_chunk(name, index))[
+                    : (stop - start) * info.dtype.itemsize
+                ]
+            assert got == want, name
+
+    def test_bad_requests_fail_clearly(self, case: StepCase) -> None:
+        name, info = next(iter(case.step.tensors.items()))
+        with pytest.raises(ConfigError):
+            case.step.read_range(name, 0, info.numel + 1)
+        with pytest.raises(ConfigError):
+            case.step.read_range(name, 1, 0)
+        with pytest.raises(KeyError):
+            case.step.read_range("no/such/tensor", 0, 0)
+        with pytest.raises(ConfigError):
+            case.step.rank_state(case.step.world_size)
+
+    def test_rank_state_is_a_dict_or_none(self, case: StepCase) -> None:
+        for rank in range(case.step.world_size):
+            state = case.step.rank_state(rank)
+            assert state is None or isinstance(state, dict)
+
+    def test_verify_reads_everything(self, case: StepCase) -> None:
+        seen = []
+        case.step.verify(progress=seen.append)
+        assert sum(seen) > 0
