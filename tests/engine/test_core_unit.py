@@ -191,7 +191,9 @@ def test_every_torch_distributed_call_goes_through_collectives() -> None:
         if path.name == "collectives.py" and path.parent == PACKAGE:
             continue
         for number, line in enumerate(path.read_text().splitlines(), start=1):
-            code = line.split("#", 1)[0]
+            # torch.distributed.checkpoint is a file format (the DCP writer of `convert`,
+            # run with no process group), not a collective.
+            code = line.split("#", 1)[0].replace("torch.distributed.checkpoint", "dcp_format")
             if re.search(r"import\s+torch\.distributed|from\s+torch\s+import\s+distributed", code):
                 offenders.append(f"{path.name}:{number}: {line.strip()}")
             elif re.search(r"\b(dist|torch\.distributed)\.[a-z_]+\(", code):
