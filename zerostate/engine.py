@@ -47,6 +47,7 @@ from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
+from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
 
@@ -140,6 +141,8 @@ def _model_aspects(model: nn.Module, config: EngineConfig | None) -> dict[str, A
         "parameter dtypes / requires_grad": [(str(p.dtype), p.requires_grad) for _, p in params],
         "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         "engine settings": config.summary() if config is not None else None,
+        # Not in summary(): a checkpoint's content does not depend on offload.
+        "offload": (config.offload, config.offload_threads) if config is not None else None,
     }
 
 
@@ -262,6 +265,16 @@ class Engine:
         )
         self._runtime.setup(model, config)
         self._trainable = self._runtime.trainable
+        #: The host tier of offloaded state ([Note: offload] in zerostate.runtime.offload).
+        self._host: HostTier | None = None
+        if config.offload is not None:
+            self._host = HostTier(
+                self._params,
+                self._trainable,
+                device=self.device,
+                params_too=config.offload == "params",
+                threads=config.offload_threads,
+            )
         # Names whose values no initialiser wrote ([Note: unset state], runtime/init.py).
         self._unset: set[str] = set(self._runtime.unset)
         self._optimizer = self._build_optimizer()
@@ -330,6 +343,7 @@ class Engine:
             self._resolved,
             adamw=dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
             gather=self._runtime.gather_full,
+            host_step=self._host is not None,
         )
         self._resolved = None  # holds the user's optimizer; not needed any more
         return optimizer
@@ -423,7 +437,12 @@ class Engine:
         if not overflow:
             if self._checkpointer is not None:
                 self._checkpointer.before_update()  # an async save may still be reading
-            self._optimizer.step(grads, stepped)
+            if self._host is not None:
+                host_grads = self._host.grads_to_host(grads)
+                with self._host.step_threads():
+                    self._optimizer.step(host_grads, stepped)
+            else:
+                self._optimizer.step(grads, stepped)
             self._runtime.refresh()
         self._scaler.update(overflow)
         self._runtime.zero()
@@ -697,6 +716,13 @@ class Engine:
         counts what the reduce precision costs (docs/engine.md, "Precision"): fp32
         gradient shards at stages 1-3, and at stages 0-1 an fp32 flat accumulation buffer
         of the full gradients when ``reduce_dtype`` is wider than the working dtype.
+
+        Per memory tier: ``device_bytes`` and ``host_bytes`` split ``total``;
+        ``device_optimizer_bytes`` / ``host_optimizer_bytes`` split the optimizer part
+        (fp32 masters held apart from the working copy, plus optimizer states). Without
+        offload everything is on the device tier; with ``offload`` the masters, optimizer
+        states and ``host_grads`` (the host staging buffer of the step's gradient shards)
+        are on the host, and with ``offload="params"`` the parameter shards too.
         """
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -708,7 +734,15 @@ class Engine:
         optim = self._optimizer.state_bytes()
         gathered = held["gathered_params"]
         comm = self._pool.allocated_bytes
+        staging = self._host.staging_bytes() if self._host is not None else 0
         model_states = params + grads + master + optim
+        total = model_states + gathered + comm + staging
+        # Tiers ([Note: offload]): with offload the masters, optimizer states and the
+        # gradient staging buffer are host memory (and the shards with offload="params").
+        host_optim = master + optim if self._host is not None else 0
+        host = host_optim + staging
+        if self._host is not None and self._host.params_too:
+            host += params
         return {
             "params": params,
             "grads": grads,
@@ -718,7 +752,12 @@ class Engine:
             "gathered_params": gathered,
             "comm_buffers": comm,
             "buffers_in_flight": gathered + comm,
-            "total": model_states + gathered + comm,
+            "host_grads": staging,
+            "total": total,
+            "device_bytes": total - host,
+            "host_bytes": host,
+            "device_optimizer_bytes": master + optim - host_optim,
+            "host_optimizer_bytes": host_optim,
         }
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
