@@ -62,6 +62,9 @@ SETTING_ALIASES: dict[str, str] = {
     "logging_steps": "log_every",
     "forward_prefetch": "prefetch",
     "seed": "init_seed",
+    "offload_optimizer": 'offload="optimizer"',
+    "cpu_offload": 'offload="optimizer"',
+    "offload_param": 'offload="params"',
 }
 
 

@@ -53,7 +53,9 @@ def _parity_worker(rank: int, world_size: int) -> dict:
             modes = ["optimizer"] + (["params"] if stage == 3 and kind == "adamw" else [])
             for mode in modes:
                 got = _run(stage, mode, kind, rank, world_size)
-                worst[(stage, kind, mode)] = max((got[n] - base[n]).abs().max().item() for n in base)
+                worst[(stage, kind, mode)] = max(
+                    (got[n] - base[n]).abs().max().item() for n in base
+                )
     return worst
 
 
@@ -130,9 +132,9 @@ def test_tiers_and_checkpoints_across_offload(tmp_path) -> None:
             assert abs(stats["host_bytes"] / (16 * per_rank) - 1) < 0.05, stats
         else:  # the host shard is the fp32 master; two moments; the host gradient shard
             assert abs(stats["host_bytes"] / (16 * per_rank) - 1) < 0.05, stats
-            assert stats["params"] == stats["host_bytes"] - stats["host_grads"] - stats[
-                "optim_states"
-            ]
+            assert (
+                stats["params"] == stats["host_bytes"] - stats["host_grads"] - stats["optim_states"]
+            )
     # What is saved does not name the kernel the step ran with.
     assert saved[("optim", 2, "optimizer")] == saved[("optim", 1, None)]
 
@@ -171,7 +173,8 @@ def _rss_worker(rank: int, world_size: int, root: str) -> list[int]:
 def test_host_memory_is_flat_across_saves(tmp_path) -> None:
     *rss, host_bytes = run_distributed(_rss_worker, 1, str(tmp_path), timeout=400)[0]
     assert host_bytes > 40e6  # the offloaded state is large enough for a leak to show
-    # After warm-up (allocator pools, the first save's buffers), 15 more saves: growth far
-    # below one copy of the offloaded state (a per-save leak of it would be 15 copies).
-    growth = max(rss[5:]) - rss[4]
-    assert growth < 0.5 * host_bytes, (growth, rss)
+    # RSS wobbles by a few tens of MB from save to save (allocator caching); a leak of the
+    # saved state would add one copy of it per save, 10 copies over the last 10 saves.
+    # Measured: +15 MB from the first 10 saves' peak to the last 10's, for 52 MB of state.
+    growth = max(rss[10:]) - max(rss[:10])
+    assert growth < host_bytes, (growth, rss)
