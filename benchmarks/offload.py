@@ -1,6 +1,7 @@
 """ZeRO-Offload benchmarks: the host optimizer step, and (on a GPU) what offload buys.
 
     python -m benchmarks.offload host [--numel 58.7e6] [--threads 2] [--reps 5]
+    python -m benchmarks.offload step [--width 512] [--threads 2]  # one CPU process
     python -m benchmarks.offload gpu  [--out result.json]      # benchmarks/gpu.sh runs it
 
 ``host``: one rank's fp32 shard of ``numel`` elements, one flat tensor (as the engine's
@@ -9,6 +10,10 @@ host tier keeps it), AdamW steps timed at the same thread count with DeepSpeedCP
 fused (what the engine steps with under offload), foreach and single-tensor. Every kernel
 starts from the same values; the report gives the median of ``reps`` steps after one
 warm-up step, and each kernel's ratio to DeepSpeedCPUAdam.
+
+``step``: one process on the CPU (gloo), the median step time of a GPT-2 of ``width`` at
+stage 2 with ``offload="optimizer"`` against DeepSpeed ZeRO-2 with ``offload_optimizer:
+{device: cpu}`` (its DeepSpeedCPUAdam) on the same model and batch, fp32.
 
 ``gpu``: on one CUDA device, the largest GPT-2 width that trains a step at stage 2 with and
 without ``offload="optimizer"`` (doubling, then stopping at the first OOM), and the step
@@ -103,7 +108,7 @@ def _engine_step_time(width: int, offload: str | None, steps: int = 4) -> float:
         engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    del engine, model
+    engine = model = None  # free the first run before the second is built
     torch.cuda.empty_cache()
     return statistics.median(times[1:])
 
@@ -147,6 +152,64 @@ def _deepspeed_step_time(width: int, steps: int = 4) -> float:
     return statistics.median(times[1:])
 
 
+def _timed_steps(step, x, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def cpu_step(width: int, threads: int, steps: int = 6) -> dict[str, Any]:
+    import os
+
+    import deepspeed
+    import torch.distributed as dist
+
+    import zerostate
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29534")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    x = torch.randint(0, 8192, (4, 128))
+    torch.manual_seed(0)
+    model = _gpt2(width)
+    numel = sum(p.numel() for p in model.parameters())
+    engine = zerostate.Engine(model, stage=2, offload="optimizer", offload_threads=threads)
+
+    def zs(x):
+        engine.backward(engine(x, x))
+        engine.step()
+
+    out: dict[str, Any] = {"numel": numel, "threads": threads, "width": width}
+    out["zerostate_offload_s"] = _timed_steps(zs, x, steps)
+    engine = model = None  # free the first run before the second is built
+    torch.manual_seed(0)
+    model = _gpt2(width)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "steps_per_print": 10**9,
+    }
+    ds, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+    def dstep(x):
+        ds.backward(ds(x, x))
+        ds.step()
+
+    out["deepspeed_offload_s"] = _timed_steps(dstep, x, steps)
+    out["ratio_zerostate_to_deepspeed"] = out["zerostate_offload_s"] / out["deepspeed_offload_s"]
+    return out
+
+
 def gpu(limit_s: float = 240.0) -> dict[str, Any]:
     import os
 
@@ -170,13 +233,19 @@ def gpu(limit_s: float = 240.0) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.offload")
-    p.add_argument("what", choices=("host", "gpu"))
+    p.add_argument("what", choices=("host", "step", "gpu"))
+    p.add_argument("--width", type=int, default=512)
     p.add_argument("--numel", type=float, default=58.7e6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", help="write the result as JSON here too")
     args = p.parse_args(argv)
-    result = host_step(int(args.numel), args.threads, args.reps) if args.what == "host" else gpu()
+    if args.what == "host":
+        result = host_step(int(args.numel), args.threads, args.reps)
+    elif args.what == "step":
+        result = cpu_step(args.width, args.threads)
+    else:
+        result = gpu()
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
