@@ -178,3 +178,30 @@ def test_host_memory_is_flat_across_saves(tmp_path) -> None:
     # Measured: +15 MB from the first 10 saves' peak to the last 10's, for 52 MB of state.
     growth = max(rss[10:]) - max(rss[:10])
     assert growth < host_bytes, (growth, rss)
+
+
+def test_host_buffers_without_an_accelerator_are_unpinned_with_one_log_line(caplog) -> None:
+    from zerostate.runtime import offload
+
+    assert torch.accelerator.current_accelerator() is None  # this suite runs on CPU
+    offload._warned_unpinned = False
+    with caplog.at_level("INFO", logger="zerostate.runtime.offload"):
+        first = offload.host_empty(8, torch.float32)
+        second = offload.to_host(torch.arange(4.0))
+    assert not first.is_pinned() and torch.equal(second, torch.arange(4.0))
+    lines = [r for r in caplog.records if "not pinned" in r.getMessage()]
+    assert len(lines) == 1
+
+
+def test_offload_threads_apply_to_the_step_only() -> None:
+    from zerostate.runtime.offload import HostTier
+
+    tier = HostTier([], [], device=torch.device("cpu"), params_too=False, threads=1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with tier.step_threads():
+            inside = torch.get_num_threads()
+        assert inside == 1 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
