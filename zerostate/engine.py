@@ -47,7 +47,7 @@ from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
-from zerostate.runtime.offload import HostTier
+from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
 
@@ -551,6 +551,12 @@ class Engine:
         self._optimizer.finish_load(self._optimizer_meta(state), step)
         self._micro_step = 0
 
+    def _settle_host_copies(self) -> None:
+        # Offloaded masters may still be read by the last step's non-blocking host ->
+        # device copies; a load writes them from the host, outside the device's order.
+        if self._host is not None:
+            wait_copies(self.device)
+
     def refresh_from_masters(self) -> None:
         """Rebuild working parameters from the masters (after they were overwritten)."""
         self._runtime.refresh(self._params)
@@ -620,6 +626,7 @@ class Engine:
         optimizer state and group hyperparameters (scheduled ``lr`` included) always are.
         Saved state it does not restore (a ``stateful`` object not passed, RNG states at
         another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
+        self._settle_host_copies()
         state = self._ckpt().load(
             path,
             step=step,
@@ -645,6 +652,7 @@ class Engine:
         and mis-shaped names; ``strict=False`` loads what matches and returns the lists
         (a :class:`~zerostate.pretrained.PretrainedReport`). Optimizer state is untouched.
         """
+        self._settle_host_copies()
         return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
 
     def close(self) -> None:

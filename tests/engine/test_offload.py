@@ -34,6 +34,13 @@ def _run(stage: int, offload, kind: str, rank: int, world_size: int) -> dict:
         )
         engine_steps(engine, rank, world_size, STEPS, accum=2)
         assert engine.last_grad_norm > 0.05  # clipping was active
+    elif kind == "sgd_fp16":  # 16-bit working copy, separate masters, dynamic loss scale
+        opt = _optimizer(model, "sgd")
+        engine = zerostate.Engine(
+            model, stage=stage, offload=offload, optimizer=opt, precision="fp16", grad_clip=0.5
+        )
+        engine_steps(engine, rank, world_size, STEPS)
+        assert engine.loss_scale > 1.0
     else:
         opt = _optimizer(model, kind)
         engine = zerostate.Engine(model, stage=stage, offload=offload, optimizer=opt)
@@ -48,7 +55,7 @@ def _run(stage: int, offload, kind: str, rank: int, world_size: int) -> dict:
 def _parity_worker(rank: int, world_size: int) -> dict:
     worst = {}
     for stage in (1, 2, 3):
-        for kind in ("adamw", "sgd", "muon"):
+        for kind in ("adamw", "sgd", "muon", "sgd_fp16"):
             base = _run(stage, None, kind, rank, world_size)
             modes = ["optimizer"] + (["params"] if stage == 3 and kind == "adamw" else [])
             for mode in modes:
@@ -63,11 +70,11 @@ def _parity_worker(rank: int, world_size: int) -> dict:
 def test_offload_matches_device_step(world_size: int) -> None:
     results = run_distributed(_parity_worker, world_size, timeout=600)
     worst = results[0]
-    assert len(worst) == 3 * 3 + 1
+    assert len(worst) == 3 * 4 + 1
     bad = {k: v for k, v in worst.items() if not v <= TOL}
     assert not bad, bad
-    # SGD runs the same arithmetic on the host: bitwise.
-    assert all(v == 0.0 for (_, kind, _), v in worst.items() if kind == "sgd"), worst
+    # SGD runs the same arithmetic on the host: bitwise (fp16 loss scaling included).
+    assert all(v == 0.0 for (_, kind, _), v in worst.items() if "sgd" in kind), worst
 
 
 def test_offload_settings_are_validated() -> None:
