@@ -97,7 +97,8 @@ def _gpt2(width: int, layers: int = 4):
 def _engine_step_time(width: int, offload: str | None, steps: int = 4) -> float:
     import zerostate
 
-    model = _gpt2(width).cuda()
+    with torch.device("cuda"):
+        model = _gpt2(width)
     engine = zerostate.Engine(model, stage=2, precision="bf16", offload=offload)
     x = torch.randint(0, 8192, (4, 256), device="cuda")
     times = []
@@ -114,8 +115,15 @@ def _engine_step_time(width: int, offload: str | None, steps: int = 4) -> float:
 
 
 def _largest(offload: str | None, limit_s: float) -> dict:
+    import os
+
+    host_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     width, best, t_end = 1024, None, time.monotonic() + limit_s
     while time.monotonic() < t_end:
+        numel = 12 * 4 * width * width  # 4 blocks; embeddings are small next to them
+        if offload is not None and 16 * numel > 0.6 * host_ram:
+            best = {**(best or {}), "stopped_by": "host memory"}  # the OOM killer, not OOM
+            break
         try:
             best = {"width": width, "step_s": _engine_step_time(width, offload, steps=2)}
         except torch.OutOfMemoryError:
