@@ -22,4 +22,16 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 timeout --signal=INT --kill-after=20 460 "$PY" -m benchmarks.gpu --out "$RESULT" --nproc 2
 rc=$?
 echo "gpu.sh: exit $rc, results in $RESULT"
+# Offload (ZeRO-Offload, docs/engine.md "Offload"): the largest GPT-2 width that trains at
+# stage 2 with and without offload="optimizer", step time against DeepSpeed ZeRO-2 with
+# offload_optimizer to cpu, and the host AdamW step vs DeepSpeedCPUAdam at the host's
+# threads. Its own JSON and time limit; ZEROSTATE_GPU_OFFLOAD=0 skips it.
+if [ "${ZEROSTATE_GPU_OFFLOAD:-1}" != 0 ]; then
+    OFFLOAD_RESULT="${RESULT%.json}-offload.json"
+    timeout --signal=INT --kill-after=20 300 "$PY" -m benchmarks.offload gpu \
+        --out "$OFFLOAD_RESULT" || rc=$((rc ? rc : 2))
+    timeout --signal=INT --kill-after=20 120 "$PY" -m benchmarks.offload host \
+        --threads "$OMP_NUM_THREADS" --out "${RESULT%.json}-offload-host.json" || rc=$((rc ? rc : 2))
+    echo "gpu.sh: offload results in $OFFLOAD_RESULT"
+fi
 exit $rc

@@ -62,6 +62,9 @@ SETTING_ALIASES: dict[str, str] = {
     "logging_steps": "log_every",
     "forward_prefetch": "prefetch",
     "seed": "init_seed",
+    "offload_optimizer": 'offload="optimizer"',
+    "cpu_offload": 'offload="optimizer"',
+    "offload_param": 'offload="params"',
 }
 
 
@@ -161,6 +164,14 @@ class EngineConfig:
     many optimizer steps: step, step time, samples/s (and tokens/s when a batch's token
     count is known), loss when given to ``step(loss=...)``, memory. None (default) logs
     nothing, as DeepSpeed's ``steps_per_print``."""
+    offload: str | None = None
+    """ZeRO-Offload (docs/engine.md, "Offload"): ``"optimizer"`` (stages 1-3) keeps the fp32
+    masters and optimizer states in host memory and runs the optimizer step on the host;
+    ``"params"`` (stage 3) keeps the parameter shards there too. None keeps everything on
+    the model's device."""
+    offload_threads: int | None = None
+    """Host threads of the offloaded optimizer step (``torch.set_num_threads`` around the
+    step); None leaves torch's setting."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
@@ -250,6 +261,8 @@ class EngineConfig:
                 stacklevel=3,
             )
 
+        _check_offload(self)
+
     @property
     def working_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
@@ -281,6 +294,36 @@ class EngineConfig:
             "sync_module_states": self.sync_module_states,
             "cast_forward_inputs": self.cast_forward_inputs,
         }
+
+
+OFFLOAD_STAGES = {"optimizer": (1, 2, 3), "params": (3,)}
+
+
+def _check_offload(config: EngineConfig) -> None:
+    if config.offload is not None:
+        stages = OFFLOAD_STAGES.get(config.offload)
+        if stages is None:
+            raise ConfigError(
+                f"offload={config.offload!r} is not an offload mode; use 'optimizer' (stages "
+                "1-3: masters and optimizer states on the host), 'params' (stage 3: "
+                "parameter shards too) or None"
+            )
+        if config.stage not in stages:
+            shown = "1, 2 or 3" if len(stages) > 1 else "3"
+            raise ConfigError(
+                f"offload={config.offload!r} needs stage {shown} (stage={config.stage}): "
+                + (
+                    "stage 0 keeps a full optimizer state per rank; use stage=1 or higher"
+                    if config.offload == "optimizer"
+                    else "only stage 3 partitions the parameters; use offload='optimizer' "
+                    "at stages 1-2"
+                )
+            )
+    threads = config.offload_threads
+    if threads is not None and (not _is_int(threads) or threads < 1):
+        raise ConfigError(f"offload_threads={threads!r} must be an integer >= 1, or None")
+    if threads is not None and config.offload is None:
+        warnings.warn("offload_threads has no effect without offload; remove it", stacklevel=4)
 
 
 def _precision_name(field: str, value: Any, *, allow_none: bool) -> str | None:

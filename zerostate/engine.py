@@ -16,7 +16,9 @@ One optimizer step (``K = grad_accum_steps``):
    all-reduce of the squared norm and per-parameter gradient flags gives the global norm,
    the overflow verdict and which parameters to step on every rank; the optimizer
    (zerostate.optim) updates the fp32 master shards; the strategy refreshes the working
-   parameters; gradients are zeroed.
+   parameters; gradients are zeroed. With ``offload`` the clipped gradient shards go to
+   the host first and the optimizer steps host masters ([Note: offload] in
+   zerostate.runtime.offload).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
+from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
 
@@ -140,6 +143,8 @@ def _model_aspects(model: nn.Module, config: EngineConfig | None) -> dict[str, A
         "parameter dtypes / requires_grad": [(str(p.dtype), p.requires_grad) for _, p in params],
         "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         "engine settings": config.summary() if config is not None else None,
+        # Not in summary(): a checkpoint's content does not depend on offload.
+        "offload": (config.offload, config.offload_threads) if config is not None else None,
     }
 
 
@@ -262,6 +267,16 @@ class Engine:
         )
         self._runtime.setup(model, config)
         self._trainable = self._runtime.trainable
+        #: The host tier of offloaded state ([Note: offload] in zerostate.runtime.offload).
+        self._host: HostTier | None = None
+        if config.offload is not None:
+            self._host = HostTier(
+                self._params,
+                self._trainable,
+                device=self.device,
+                params_too=config.offload == "params",
+                threads=config.offload_threads,
+            )
         # Names whose values no initialiser wrote ([Note: unset state], runtime/init.py).
         self._unset: set[str] = set(self._runtime.unset)
         self._optimizer = self._build_optimizer()
@@ -330,6 +345,7 @@ class Engine:
             self._resolved,
             adamw=dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
             gather=self._runtime.gather_full,
+            host_step=self._host is not None,
         )
         self._resolved = None  # holds the user's optimizer; not needed any more
         return optimizer
@@ -423,7 +439,12 @@ class Engine:
         if not overflow:
             if self._checkpointer is not None:
                 self._checkpointer.before_update()  # an async save may still be reading
-            self._optimizer.step(grads, stepped)
+            if self._host is not None:
+                host_grads = self._host.grads_to_host(grads)
+                with self._host.step_threads():
+                    self._optimizer.step(host_grads, stepped)
+            else:
+                self._optimizer.step(grads, stepped)
             self._runtime.refresh()
         self._scaler.update(overflow)
         self._runtime.zero()
@@ -532,6 +553,12 @@ class Engine:
         self._optimizer.finish_load(self._optimizer_meta(state), step)
         self._micro_step = 0
 
+    def _settle_host_copies(self) -> None:
+        # Offloaded masters may still be read by the last step's non-blocking host ->
+        # device copies; a load writes them from the host, outside the device's order.
+        if self._host is not None:
+            wait_copies(self.device)
+
     def refresh_from_masters(self) -> None:
         """Rebuild working parameters from the masters (after they were overwritten)."""
         self._runtime.refresh(self._params)
@@ -601,6 +628,7 @@ class Engine:
         optimizer state and group hyperparameters (scheduled ``lr`` included) always are.
         Saved state it does not restore (a ``stateful`` object not passed, RNG states at
         another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
+        self._settle_host_copies()
         state = self._ckpt().load(
             path,
             step=step,
@@ -626,6 +654,7 @@ class Engine:
         and mis-shaped names; ``strict=False`` loads what matches and returns the lists
         (a :class:`~zerostate.pretrained.PretrainedReport`). Optimizer state is untouched.
         """
+        self._settle_host_copies()
         return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
 
     def close(self) -> None:
@@ -697,6 +726,13 @@ class Engine:
         counts what the reduce precision costs (docs/engine.md, "Precision"): fp32
         gradient shards at stages 1-3, and at stages 0-1 an fp32 flat accumulation buffer
         of the full gradients when ``reduce_dtype`` is wider than the working dtype.
+
+        Per memory tier: ``device_bytes`` and ``host_bytes`` split ``total``;
+        ``device_optimizer_bytes`` / ``host_optimizer_bytes`` split the optimizer part
+        (fp32 masters held apart from the working copy, plus optimizer states). Without
+        offload everything is on the device tier; with ``offload`` the masters, optimizer
+        states and ``host_grads`` (the host staging buffer of the step's gradient shards)
+        are on the host, and with ``offload="params"`` the parameter shards too.
         """
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -708,7 +744,15 @@ class Engine:
         optim = self._optimizer.state_bytes()
         gathered = held["gathered_params"]
         comm = self._pool.allocated_bytes
+        staging = self._host.staging_bytes() if self._host is not None else 0
         model_states = params + grads + master + optim
+        total = model_states + gathered + comm + staging
+        # Tiers ([Note: offload]): with offload the masters, optimizer states and the
+        # gradient staging buffer are host memory (and the shards with offload="params").
+        host_optim = master + optim if self._host is not None else 0
+        host = host_optim + staging
+        if self._host is not None and self._host.params_too:
+            host += params
         return {
             "params": params,
             "grads": grads,
@@ -718,7 +762,12 @@ class Engine:
             "gathered_params": gathered,
             "comm_buffers": comm,
             "buffers_in_flight": gathered + comm,
-            "total": model_states + gathered + comm,
+            "host_grads": staging,
+            "total": total,
+            "device_bytes": total - host,
+            "host_bytes": host,
+            "device_optimizer_bytes": master + optim - host_optim,
+            "host_optimizer_bytes": host_optim,
         }
 
     def comm_stats(self) -> dict[str, dict[str, int]]:

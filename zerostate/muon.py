@@ -80,7 +80,9 @@ class PartitionedMuon(Optimizer):
             adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(sp.shape))
             start = _local_start(sp, p)
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(ortho.reshape(-1)[start : start + p.numel()], alpha=-adjusted_lr)
+            # With offload the shard is on the host and the gathered matrix on the device.
+            local = ortho.reshape(-1)[start : start + p.numel()].to(p.device)
+            p.add_(local, alpha=-adjusted_lr)
 
 
 def _local_start(sp: ShardedParam, shard: torch.Tensor) -> int:

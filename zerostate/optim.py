@@ -41,6 +41,9 @@ from zerostate.muon import PartitionedMuon
 from zerostate.sharded import ShardedParam
 
 OPTIMIZER_STATE_VERSION = 1
+#: Param-group keys that choose a kernel, not the arithmetic: not saved, not restored, so a
+#: checkpoint does not depend on where the step ran (offload picks the fused host kernel).
+_KERNEL_KEYS = ("foreach", "fused")
 _STATE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -271,6 +274,7 @@ class ShardedOptimizer:
         *,
         adamw: dict,
         gather: Callable[[list[ShardedParam], list[torch.Tensor]], list[torch.Tensor]],
+        host_step: bool = False,
     ) -> None:
         self.trainable = trainable
         self._by_name = {sp.name: sp for sp in trainable}
@@ -296,8 +300,11 @@ class ShardedOptimizer:
                 specs.append({**hyper, "params": [sp.master for sp in members]})
                 self.group_members.append(members)
             if user is None:
+                # On the host (offload) torch's fused CPU kernel is the fastest AdamW
+                # (benchmarks/offload.py); it agrees with foreach to rounding.
+                kernel = {"fused": True} if host_step and _fused_cpu_adamw() else {"foreach": True}
                 opt = torch.optim.AdamW(
-                    specs, lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"], foreach=True
+                    specs, lr=adamw["lr"], betas=adamw["betas"], eps=adamw["eps"], **kernel
                 )
             elif type(user) in _WHOLE_MATRIX:
                 opt = _WHOLE_MATRIX[type(user)](
@@ -316,7 +323,8 @@ class ShardedOptimizer:
             if init is None:
                 continue
             for group in opt.param_groups:
-                if group.get("capturable") or group.get("fused"):
+                on_device = any(p.device.type != "cpu" for p in group["params"])
+                if group.get("capturable") or (group.get("fused") and on_device):
                     continue  # device-resident counters: leave it to torch's own init
                 for shard in group["params"]:
                     if not opt.state.get(shard):
@@ -375,7 +383,10 @@ class ShardedOptimizer:
             "classes": [type(opt).__name__ for opt in self.inner],
             "group_params": [[sp.name for sp in m] for m in self.group_members],
             "param_groups": [
-                jsonstate.encode({k: v for k, v in g.items() if k != "params"}, "param group")
+                jsonstate.encode(
+                    {k: v for k, v in g.items() if k != "params" and k not in _KERNEL_KEYS},
+                    "param group",
+                )
                 for g in self.optimizer.param_groups
             ],
             "state": state,
@@ -431,6 +442,8 @@ class ShardedOptimizer:
             if not isinstance(hyper, dict):
                 raise CheckpointError("a saved param group is not a dict")
             hyper.pop("params", None)
+            for key in _KERNEL_KEYS:  # this engine's kernel choice, not the saved one's
+                hyper.pop(key, None)
             g.update(hyper)
         for name, entry in meta["state"].items():
             sp = self._by_name.get(name)
@@ -494,6 +507,16 @@ def legacy_adamw_metadata(names: list[list[str]], step: int, groups: list[dict])
             for n in members
         },
     }
+
+
+def _fused_cpu_adamw() -> bool:
+    try:
+        probe = torch.zeros(1)
+        opt = torch.optim.AdamW([probe], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    del opt
+    return True
 
 
 def _constructor_defaults(opt: Optimizer) -> dict:

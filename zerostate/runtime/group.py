@@ -16,6 +16,9 @@ are presets of that policy (:meth:`GroupPolicy.for_stage`). The runtime
   reduce-scattered in place when they are sharded (stage 1).
 * ``shard_params``: the working parameters are partitioned too and gathered for use
   (stage 3, [Note: partitioned parameters]).
+* ``offload_optimizer``: the fp32 masters and optimizer states of the owned ranges live in
+  host memory and the optimizer steps there (any sharded stage, [Note: offload] in
+  zerostate.runtime.offload); ``offload_params``: the parameter shards too (stage 3).
 
 [Note: local accumulation layout]
 Stage 0 accumulates in a flat buffer in parameter order, so each parameter's full gradient
@@ -86,20 +89,32 @@ class GroupPolicy:
     """Working parameters partitioned, gathered around their module's forward/backward."""
     prefetch: bool = True
     """Start gathering the next group while the current one computes (``shard_params``)."""
+    offload_optimizer: bool = False
+    """Masters and optimizer states on the host; the optimizer step runs there."""
+    offload_params: bool = False
+    """Parameter shards on the host too, copied to the device by their group's gather."""
 
     def __post_init__(self) -> None:
+        if self.offload_optimizer and not self.shard_optimizer:
+            raise ValueError("offload_optimizer needs shard_optimizer (stage 1 or higher)")
+        if self.offload_params and not (self.shard_params and self.offload_optimizer):
+            raise ValueError("offload_params needs shard_params and offload_optimizer")
         if self.shard_grads and not self.shard_optimizer:
             raise ValueError("shard_grads needs shard_optimizer (a shard has no full master)")
         if self.shard_params and not self.shard_grads:
             raise ValueError("shard_params needs shard_grads (no full gradient buffer exists)")
 
     @classmethod
-    def for_stage(cls, stage: int, *, prefetch: bool = True) -> GroupPolicy:
+    def for_stage(
+        cls, stage: int, *, prefetch: bool = True, offload: str | None = None
+    ) -> GroupPolicy:
         return cls(
             shard_optimizer=stage >= 1,
             shard_grads=stage >= 2,
             shard_params=stage >= 3,
             prefetch=prefetch,
+            offload_optimizer=offload is not None,
+            offload_params=offload == "params",
         )
 
     @property

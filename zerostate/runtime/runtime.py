@@ -116,7 +116,9 @@ class GroupRuntime:
 
     # -- construction ----------------------------------------------------------------
     def setup(self, model: nn.Module, config: Any) -> None:
-        self.policy = GroupPolicy.for_stage(self.stage, prefetch=config.prefetch)
+        self.policy = GroupPolicy.for_stage(
+            self.stage, prefetch=config.prefetch, offload=config.offload
+        )
         if self.policy.shard_params:
             self.unset = materialise(
                 model,
@@ -436,10 +438,17 @@ class GroupRuntime:
                 if params is None
                 else split_into_buckets(params, self.bucket_numel)
             )
+            sources = [[p.master for p in g] for g in groups]
+            if self.policy.offload_optimizer:
+                # Host masters go host -> device into the owned slice of each working
+                # parameter, which then feeds the gather ([Note: offload]); the cast to the
+                # working dtype happens in that copy instead of in the gather's pack.
+                _copy([(sp.shard, sp.master) for sp in targets if not sp.master_aliased])
+                sources = [[p.shard for p in g] for g in groups]
             all_gather_groups(
                 self.ctx,
                 [FlatLayout(g, self.ctx.world_size, self.ctx.rank) for g in groups],
-                [[p.master for p in g] for g in groups],
+                sources,
                 [[p.param.data.view(-1) for p in g] for g in groups],
                 dtype=self.ctx.param_dtype,
                 counted=params is None,
@@ -533,8 +542,10 @@ class GroupRuntime:
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    # non_blocking: host -> device copies of offloaded masters from pinned memory overlap
+    # with what follows on the device's stream (ordered before any later use there).
     if pairs:
-        torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs])
+        torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs], non_blocking=True)
 
 
 def _in_backward() -> bool:
