@@ -59,6 +59,10 @@ def dcp_state_dict(st: Any) -> dict:
         if not members:
             continue  # an empty group (no no-decay parameters) is not a torch param group
         hyper = dict(jsonstate.decode(enc, "param group"))
+        # zerostate does not record the kernel choice (it depends on where the step ran);
+        # torch's optimizers keep both keys in every group, with None meaning "pick one".
+        for key in ("foreach", "fused"):
+            hyper.setdefault(key, None)
         hyper["params"] = list(members)
         groups.append(hyper)
     out: dict[str, Any] = {"model": model}
