@@ -288,6 +288,12 @@ def check_agreement(
 # entered one call fails its next call against the stale verdict, which puts the numbering
 # back in step. Each rank names its call, so ranks in different calls (one in save, one in
 # load) fail with a message naming both.
+#
+# The store lives in one process: rank 0 under a plain init_process_group, the agent under
+# torchrun. When nothing collective follows the call (full_state_dict at stage 0, a script
+# that ends right after), rank 0 could read the verdict, return, and exit, taking the store
+# with it while another rank still polls. So every rank counts itself out once it has read
+# all it needs, and rank 0 waits (bounded) for that count before it returns.
 
 _ARRIVALS: dict[tuple[int, ...], int] = {}
 
@@ -327,6 +333,8 @@ def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: floa
         store.set(keys[rank], what)
         verdict = _await_verdict(store, keys, f"{prefix}/verdict", timeout_s)
         calls = [store.get(k).decode() for k in keys] if verdict == "ok" else []
+        _forget(store, f"{base}/{seq - 2}", rank)
+        _leave(store, f"{prefix}/left", rank, world_size, timeout_s)
     except NotImplementedError:
         return  # a store without compare_set: the collectives themselves will have to do
     except getattr(dist, "DistNetworkError", ConnectionError) as exc:
@@ -335,7 +343,6 @@ def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: floa
             f"ranks ({exc}); the process hosting it (rank 0 under torchrun) has probably "
             "exited, see its error"
         ) from None
-    _forget(store, f"{base}/{seq - 2}", rank)
     if verdict == "ok":
         differ = {r: c for r, c in enumerate(calls) if c != what}
         if differ:
@@ -374,8 +381,24 @@ def _forget(store: Any, old_prefix: str, rank: int) -> None:
         store.delete_key(f"{old_prefix}/{rank}")
         if rank == 0:
             store.delete_key(f"{old_prefix}/verdict")
+            store.delete_key(f"{old_prefix}/left")
     except (RuntimeError, NotImplementedError):
         pass
+
+
+def _leave(store: Any, key: str, rank: int, world_size: int, timeout_s: float) -> None:
+    # See [Note: arrival deadline]: the last store access of every rank but 0 is this add;
+    # rank 0, which may host the store, returns only once all have made it (or a rank died
+    # in between, which the bounded wait tolerates: the caller's work is already agreed).
+    left = store.add(key, 1)
+    if rank != 0:
+        return
+    deadline = time.monotonic() + min(timeout_s, 30.0)
+    pause = 0.001
+    while left < world_size and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+        left = store.add(key, 0)
 
 
 def agree(

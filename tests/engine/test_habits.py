@@ -293,3 +293,19 @@ def test_shape_mismatch_lists_every_tensor(tmp_path) -> None:
     assert count > 10 and f"and {count - 10} more" in message, message
     assert message.count("(checkpoint (") == 10, message
     assert "model/transformer.wte.weight (checkpoint (64, 32), model (64, 48))" in message
+
+
+def _last_call_then_exit(rank: int, world_size: int) -> str:
+    # Rank 1 arrives first and sleeps in its poll; rank 0 (hosting the store under a plain
+    # init_process_group) arrives later, and its worker exits right after the call.
+    engine = zerostate.Engine(make_model(), stage=0)
+    if rank == 0:
+        time.sleep(1.5)
+    state = engine.full_state_dict()
+    return f"{len(state)} tensors"
+
+
+def test_store_host_does_not_leave_before_the_others_read_the_verdict() -> None:
+    for _ in range(3):
+        results = run_distributed(_last_call_then_exit, 2, timeout=120)
+        assert results[0] == results[1] and results[0].endswith("tensors"), results
