@@ -38,6 +38,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the help is one ``--help`` away), and an
     unknown flag gets the closest one the command takes (``--dtpye``: ``--dtype``)."""
 
+    _seen: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # Kept for error(): argparse reports a missing required flag before the unknown
+        # ones, so a typo in a required flag (--world-sise) is only found here.
+        self._seen = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
@@ -62,7 +70,21 @@ class _Parser(argparse.ArgumentParser):
                 return action.choices[command]
         return None
 
+    def _typo_of_required(self, message: str) -> str | None:
+        if not message.startswith("the following arguments are required"):
+            return None
+        known = {o for a in self._actions for o in a.option_strings}
+        required = [o for a in self._actions if a.required for o in a.option_strings]
+        for token in self._seen:
+            flag = token.split("=", 1)[0]
+            if flag.startswith("--") and flag not in known:
+                close = difflib.get_close_matches(flag, required, n=1, cutoff=0.6)
+                if close:
+                    return f"unrecognized argument {flag}; did you mean {close[0]}?"
+        return None
+
     def error(self, message: str) -> NoReturn:
+        message = self._typo_of_required(message) or message
         command = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
         self.exit(2, f"zerostate: error: {command}{message} (see {self.prog} --help)\n")
 

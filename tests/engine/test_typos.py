@@ -52,15 +52,27 @@ FLAGS = [
     (["verify", "ckpt", "--storage-opton", "anon=true"], "did you mean --storage-option?"),
     (["reshard", "a", "b", "--world-size", "2", "--froce"], "did you mean --force?"),
     (["estimate", "--params", "1e9", "--dp", "8", "--stgae", "3"], "did you mean --stage"),
+    # A typo in a required flag: argparse reports the missing flag before the unknown one.
+    (["reshard", "a", "b", "--world-sise", "2"], "did you mean --world-size?"),
+    (["reshard", "a", "b", "--world-sise=2", "--force"], "did you mean --world-size?"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "needle"), FLAGS, ids=[f[0][-2] for f in FLAGS])
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    FLAGS,
+    ids=[f[1].split()[-1].rstrip("?") + f"-{i}" for i, f in enumerate(FLAGS)],
+)
 def test_cli_flag_typo(argv: list[str], needle: str, capsys) -> None:
     code, _, err = run_cli(argv, capsys)
     assert code == 2
     assert err.startswith("zerostate: error: ") and err.count("\n") == 1, err
     assert needle in err, err
+
+
+def test_missing_required_flag_without_a_typo_says_so(capsys) -> None:
+    code, _, err = run_cli(["reshard", "a", "b", "--force"], capsys)
+    assert code == 2 and "the following arguments are required: --world-size" in err, err
 
 
 def test_cli_names_the_root_of_a_step_directory(tmp_path, capsys) -> None:
