@@ -110,18 +110,16 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
 
 def _agree(engine: Any, error: BaseException | None, what: str) -> None:
     """All ranks raise when any rank failed: the failing rank its own error, the others
-    a pointer to it. One all-reduce of a flag per rank."""
-    flags = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.device)
-    flags[engine.rank] = error is not None
-    collectives.all_reduce(flags, group=engine.group, stats=None)
-    if error is not None:
-        raise error
-    failed = [r for r, f in enumerate(flags.tolist()) if f]
-    if failed:
-        raise DistributedMismatchError(
-            f"load_pretrained failed on rank(s) {failed} while {what}; see the error those "
-            "ranks raised"
-        )
+    a pointer to it (``collectives.agree``)."""
+    collectives.agree(
+        error,
+        f"load_pretrained ({what})",
+        group=engine.group,
+        rank=engine.rank,
+        world_size=engine.world_size,
+        device=engine.device,
+        error_cls=DistributedMismatchError,
+    )
 
 
 def load_pretrained(
