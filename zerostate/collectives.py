@@ -15,8 +15,8 @@ padding included. Collectives that are not part of training (engine construction
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -281,8 +281,10 @@ def check_agreement(
 # default, and NCCL may never return). So each such call first announces itself in the
 # process group's key-value store (the TCPStore torchrun and init_process_group set up),
 # outside the group's collectives, and waits for every rank's announcement with a
-# deadline. The verdict is decided once, atomically (compare_set on one key): "ok" when
-# every rank announced, else the list of ranks missing at the deadline. Every rank abides
+# deadline. Each rank also counts itself in (an atomic add); the last one in sets the
+# verdict "ok", the others block in the store (wait, no polling) until a verdict exists or
+# their deadline passes, when they set it to the list of ranks still missing. The verdict
+# is decided once (compare_set keeps the first one written), and every rank abides
 # by the stored verdict, so a rank arriving just after another gave up fails too instead of
 # entering a collective alone. Calls are numbered per group on each rank; a rank that never
 # entered one call fails its next call against the stale verdict, which puts the numbering
@@ -292,8 +294,8 @@ def check_agreement(
 # The store lives in one process: rank 0 under a plain init_process_group, the agent under
 # torchrun. When nothing collective follows the call (full_state_dict at stage 0, a script
 # that ends right after), rank 0 could read the verdict, return, and exit, taking the store
-# with it while another rank still polls. So every rank counts itself out once it has read
-# all it needs, and rank 0 waits (bounded) for that count before it returns.
+# with it while another rank still reads. So every rank counts itself out once it has read
+# all it needs, the last one out says so, and rank 0 waits (bounded) for that word.
 
 _ARRIVALS: dict[tuple[int, ...], int] = {}
 
@@ -331,13 +333,13 @@ def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: floa
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     try:
         store.set(keys[rank], what)
-        verdict = _await_verdict(store, keys, f"{prefix}/verdict", timeout_s)
-        calls = [store.get(k).decode() for k in keys] if verdict == "ok" else []
+        verdict = _await_verdict(store, keys, prefix, world_size, timeout_s)
+        calls = [c.decode() for c in store.multi_get(keys)] if verdict == "ok" else []
         _forget(store, f"{base}/{seq - 2}", rank)
-        _leave(store, f"{prefix}/left", rank, world_size, timeout_s)
+        _leave(store, prefix, rank, world_size, timeout_s)
     except NotImplementedError:
         return  # a store without compare_set: the collectives themselves will have to do
-    except getattr(dist, "DistNetworkError", ConnectionError) as exc:
+    except _NETWORK_ERROR as exc:
         raise CollectiveTimeoutError(
             f"{what}: lost the process group's key-value store while waiting for the other "
             f"ranks ({exc}); the process hosting it (rank 0 under torchrun) has probably "
@@ -360,19 +362,35 @@ def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: floa
     )
 
 
-def _await_verdict(store: Any, keys: list[str], verdict_key: str, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    pause = 0.002
-    while True:
-        if store.check(keys):
-            return store.compare_set(verdict_key, "", "ok").decode()
-        if store.check([verdict_key]):
-            return store.get(verdict_key).decode()
-        if time.monotonic() >= deadline:
-            missing = ",".join(str(r) for r, k in enumerate(keys) if not store.check([k]))
-            return store.compare_set(verdict_key, "", f"missing:{missing}").decode()
-        time.sleep(pause)
-        pause = min(pause * 2, 0.1)
+_NETWORK_ERROR = getattr(dist, "DistNetworkError", ConnectionError)
+#: What a store's ``wait`` raises at its deadline (a plain RuntimeError in older torch).
+_WAIT_TIMEOUT = getattr(dist, "DistStoreError", RuntimeError)
+
+
+def _wait(store: Any, key: str, timeout_s: float) -> bool:
+    """Block in the store until ``key`` exists (no polling); False at the deadline."""
+    try:
+        store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+    except _NETWORK_ERROR:
+        raise
+    except _WAIT_TIMEOUT:
+        return False
+    return True
+
+
+def _await_verdict(
+    store: Any, keys: list[str], prefix: str, world_size: int, timeout_s: float
+) -> str:
+    # The last rank to count itself in decides "ok"; the others block on the verdict key.
+    # compare_set keeps whichever verdict came first: a rank arriving after the others
+    # gave up reads their "missing" verdict, never overwrites it.
+    verdict_key = f"{prefix}/verdict"
+    if store.add(f"{prefix}/count", 1) >= world_size:
+        return store.compare_set(verdict_key, "", "ok").decode()
+    if _wait(store, verdict_key, timeout_s):
+        return store.get(verdict_key).decode()
+    missing = ",".join(str(r) for r, k in enumerate(keys) if not store.check([k]))
+    return store.compare_set(verdict_key, "", f"missing:{missing}").decode()
 
 
 def _forget(store: Any, old_prefix: str, rank: int) -> None:
@@ -380,25 +398,22 @@ def _forget(store: Any, old_prefix: str, rank: int) -> None:
     try:
         store.delete_key(f"{old_prefix}/{rank}")
         if rank == 0:
-            store.delete_key(f"{old_prefix}/verdict")
-            store.delete_key(f"{old_prefix}/left")
+            for name in ("verdict", "count", "left", "all-left"):
+                store.delete_key(f"{old_prefix}/{name}")
     except (RuntimeError, NotImplementedError):
         pass
 
 
-def _leave(store: Any, key: str, rank: int, world_size: int, timeout_s: float) -> None:
-    # See [Note: arrival deadline]: the last store access of every rank but 0 is this add;
-    # rank 0, which may host the store, returns only once all have made it (or a rank died
-    # in between, which the bounded wait tolerates: the caller's work is already agreed).
-    left = store.add(key, 1)
-    if rank != 0:
+def _leave(store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+    # See [Note: arrival deadline]: the last store access of every rank but 0 is this add
+    # (and, for the last one out, the set that wakes rank 0); rank 0, which may host the
+    # store, returns only once all are out, or a rank died in between, which the bounded
+    # wait tolerates: the call's verdict is already agreed.
+    if store.add(f"{prefix}/left", 1) >= world_size:
+        store.set(f"{prefix}/all-left", "1")
         return
-    deadline = time.monotonic() + min(timeout_s, 30.0)
-    pause = 0.001
-    while left < world_size and time.monotonic() < deadline:
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-        left = store.add(key, 0)
+    if rank == 0:
+        _wait(store, f"{prefix}/all-left", min(timeout_s, 30.0))
 
 
 def agree(
