@@ -164,7 +164,7 @@ class StepReader(StepBase):
 
     def read_chunk(self, name: str, index: int) -> memoryview:
         """The verified payload of one chunk (full chunk size, edge padding included)."""
-        info = self._chunked[self.info(name).name]
+        info = self._chunked[self.info(name).name]  # info() names a missing tensor
         if not 0 <= index < len(info.chunks):
             raise IndexError(f"{name}: chunk {index} out of range [0, {len(info.chunks)})")
         record = info.chunks[index]
