@@ -69,6 +69,7 @@ from zerostate.store import (
     prune_steps,
     remove_partial_steps,
 )
+from zerostate.store.sources import open_source
 
 log = logging.getLogger(__name__)
 
@@ -797,8 +798,6 @@ def _open_any_step(engine: Any, path: str, step: int | None, storage_options: di
     """Open step ``step`` of the checkpoint at ``path`` in any readable format (zerostate,
     DeepSpeed ZeRO, DCP); a peer's step is first fitted to ``engine`` (see
     :func:`_fit_foreign_step`)."""
-    from zerostate.store.sources import open_source
-
     st = open_source(path, storage_options=storage_options).step(step)
     state = st.attrs.get("engine")
     if isinstance(state, dict) and state.get("source") in ("deepspeed", "dcp"):
@@ -826,12 +825,11 @@ def _fit_foreign_step(engine: Any, st: Any, state: dict) -> None:
         optimizer["classes"] = [type(opt).__name__ for opt in engine._optimizer.inner]
     if isinstance(optimizer, dict):
         _regroup(engine, optimizer, st.url)
-    alias = getattr(st, "alias", None)
     for view in engine.state_views():
         model_name = "model/" + view.name.removeprefix("buffers/")
-        if view.name.startswith("buffers/") and view.name not in st.tensors and alias:
-            if model_name in st.tensors:
-                alias(view.name, model_name)
+        if view.name.startswith("buffers/") and view.name not in st.tensors:
+            if model_name in st.tensors and st.supports_aliases:
+                st.alias(view.name, model_name)
 
 
 def _regroup(engine: Any, optimizer: dict, url: str) -> None:

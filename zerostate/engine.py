@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from zerostate import adapt, collectives
+from zerostate.checkpoint import Checkpointer  # imported here, not on the first save or load
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig, check_setting_names
@@ -566,8 +567,6 @@ class Engine:
     # ------------------------------------------------------------- checkpoints
     def _ckpt(self) -> Any:
         if self._checkpointer is None:
-            from zerostate.checkpoint import Checkpointer
-
             self._checkpointer = Checkpointer(self)
         return self._checkpointer
 

@@ -84,7 +84,7 @@ def _matching(
     if not committed:
         return -1, {}
     with ckpt.step(committed[-1]) as st:
-        if st.format_version != 2 or st.world_size != checkpointer.world_size:
+        if not st.supports_references or st.world_size != checkpointer.world_size:
             return -1, {}
         prior = (st.rank_state(checkpointer.rank) or {}).get(RANK_STATE_KEY)
         if not isinstance(prior, dict):

@@ -2,7 +2,8 @@
 format 1 checkpoints are still read), any number of ranks read them back.
 ``docs/format.md`` specifies the on-storage format."""
 
-from zerostate.store.format import FORMAT_VERSION, ChunkRecord, TensorInfo
+from zerostate.store.format import FORMAT_VERSION, ChunkedTensorInfo, ChunkRecord, TensorInfo
+from zerostate.store.format2 import RowTensorInfo
 from zerostate.store.reader import (
     CheckpointReader,
     ChunkRef,
@@ -14,6 +15,7 @@ from zerostate.store.reader import (
 )
 from zerostate.store.reader_v2 import StepReaderV2
 from zerostate.store.rows import LazyShard
+from zerostate.store.step_base import StepBase
 from zerostate.store.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from zerostate.store.tensors import owned_shards, plan_specs, save_tensors
 from zerostate.store.writer import StepExistsError, StepWriter, TensorSpec
@@ -23,9 +25,12 @@ __all__ = [
     "CheckpointReader",
     "ChunkRecord",
     "ChunkRef",
+    "ChunkedTensorInfo",
     "FsspecStorage",
     "LazyShard",
     "LocalStorage",
+    "RowTensorInfo",
+    "StepBase",
     "StepExistsError",
     "StepReader",
     "StepReaderV2",

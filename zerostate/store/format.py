@@ -264,16 +264,15 @@ class ChunkRecord:
 
 @dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """A tensor of a committed step, as the commit record describes it."""
+    """A tensor of a committed step, as the step-reader protocol shows it (every format).
+    Each format's reader keeps its own record type, a subclass adding where the bytes
+    are (:class:`ChunkedTensorInfo` here, ``format2.RowTensorInfo``)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     layout: TensorLayout
     attrs: dict = field(default_factory=dict)
-    chunks: tuple[ChunkRecord, ...] = ()  # format 1: one record per chunk object
-    group: str | None = None  # format 2: the group (zarr array) holding its bytes
-    offset: int = 0  # format 2: byte offset of its slot in every row of the group
 
     @property
     def numel(self) -> int:
@@ -282,6 +281,13 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.layout.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedTensorInfo(TensorInfo):
+    """A format-1 tensor: one object per layout chunk, each with its commit-record entry."""
+
+    chunks: tuple[ChunkRecord, ...] = ()
 
     def chunk_nbytes(self) -> int:
         """Stored size of every chunk object: zarr stores the edge chunk at full size."""
@@ -329,7 +335,7 @@ def check_format_version(record: dict, where: str, allowed: tuple[int, ...] = RE
 
 def parse_commit_record(
     record: dict, expected_step: int, where: str
-) -> tuple[int, dict, dict[str, TensorInfo], dict[str, ChunkRecord]]:
+) -> tuple[int, dict, dict[str, ChunkedTensorInfo], dict[str, ChunkRecord]]:
     """Validate a commit record read from storage: ``(world_size, attrs, tensors, files)``.
 
     Every name and number is checked before use: the record may come from anyone.
@@ -349,7 +355,7 @@ def parse_commit_record(
         or not isinstance(files_json, dict)
     ):
         raise CorruptCheckpointError(f"{where}: attrs, tensors and files must be objects")
-    tensors: dict[str, TensorInfo] = {}
+    tensors: dict[str, ChunkedTensorInfo] = {}
     for name, entry in tensors_json.items():
         validate_name(name)
         tensors[name] = _parse_tensor(name, entry, world_size, f"{where}: tensor {name!r}")
@@ -381,7 +387,9 @@ def parse_shape_dtype_layout(
     shape_json = entry.get("shape")
     if not isinstance(shape_json, list) or len(shape_json) > max_ndim:
         raise CorruptCheckpointError(f"{what}: shape must be a list of at most {max_ndim} ints")
-    shape = tuple(_int(d, f"{what}: shape", 0, max_dim) for d in shape_json)
+    shape = tuple(shape_json)
+    if not all(type(d) is int and 0 <= d and (max_dim is None or d <= max_dim) for d in shape):
+        shape = tuple(_int(d, f"{what}: shape", 0, max_dim) for d in shape)  # names the bad one
     dtype = dtype_from_name(entry.get("dtype"))
     try:
         layout = TensorLayout.from_json(entry.get("layout"))
@@ -394,7 +402,7 @@ def parse_shape_dtype_layout(
     return shape, dtype, layout
 
 
-def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> TensorInfo:
+def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> ChunkedTensorInfo:
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"{what}: expected an object")
     shape, dtype, layout = parse_shape_dtype_layout(entry, world_size, what)
@@ -403,7 +411,7 @@ def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> TensorIn
     if not isinstance(attrs, dict) or not isinstance(chunks_json, list):
         raise CorruptCheckpointError(f"{what}: attrs must be an object and chunks a list")
     chunks = tuple(_parse_chunk(c, f"{what}: chunk {i}") for i, c in enumerate(chunks_json))
-    info = TensorInfo(name, shape, dtype, layout, attrs, chunks)
+    info = ChunkedTensorInfo(name, shape, dtype, layout, attrs, chunks)
     if len(chunks) != layout.num_chunks:
         raise CorruptCheckpointError(
             f"{what}: {len(chunks)} chunk records for {layout.num_chunks} chunks"

@@ -24,6 +24,15 @@ MAX_ROW_NBYTES = 1 << 48
 
 
 @dataclass(frozen=True, slots=True)
+class RowTensorInfo(fmt.TensorInfo):
+    """A format-2 tensor: its bytes lie in the rows of ``group``, at byte ``offset`` of
+    every row ([Note: rows] in ``rows.py``)."""
+
+    group: str = ""
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class RowRecord:
     """One written row object: its size, the crc32c of its shard index and the crc32c of
     the concatenated 4-byte checksums of its inner chunks (binds every chunk to the record)."""
@@ -97,7 +106,7 @@ class StepRecord:
 
     world_size: int
     attrs: dict
-    tensors: dict[str, fmt.TensorInfo]
+    tensors: dict[str, RowTensorInfo]
     plans: dict[str, GroupPlan]
     rows: dict[str, list[RowRecord | None]]
     manifests: list[fmt.ChunkRecord]
@@ -124,7 +133,7 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
         raise CorruptCheckpointError(f"{where}: attrs, tensors, groups and files must be objects")
     if not isinstance(manifests_json, list) or len(manifests_json) != world_size:
         raise CorruptCheckpointError(f"{where}: manifests must be a list of {world_size} entries")
-    tensors: dict[str, fmt.TensorInfo] = {}
+    tensors: dict[str, RowTensorInfo] = {}
     for name, entry in tensors_json.items():
         fmt.validate_name(name)
         what = f"{where}: tensor {name!r}"
@@ -194,7 +203,7 @@ def check_row(plan: GroupPlan, rank: int, row: RowRecord | None, where: str) -> 
         )
 
 
-def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> fmt.TensorInfo:
+def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> RowTensorInfo:
     if not isinstance(entry, dict):
         raise CorruptCheckpointError(f"{what}: expected an object")
     shape, dtype, layout = fmt.parse_shape_dtype_layout(entry, world_size, what, MAX_ROW_NBYTES)
@@ -206,4 +215,4 @@ def _parse_tensor(name: str, entry: Any, world_size: int, what: str) -> fmt.Tens
             f"{what}: group {entry.get('group')!r}, expected {group_of(name)!r}"
         )
     offset = fmt._int(entry.get("offset"), f"{what}: offset", 0, MAX_ROW_NBYTES)
-    return fmt.TensorInfo(name, shape, dtype, layout, attrs, (), group_of(name), offset)
+    return RowTensorInfo(name, shape, dtype, layout, attrs, group_of(name), offset)

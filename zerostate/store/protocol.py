@@ -1,7 +1,8 @@
 """The step-reader protocol: what every checkpoint format offers its readers.
 
 zerostate's formats 1 and 2 (``reader.StepReader``, ``reader_v2.StepReaderV2``) and the
-peers' (``foreign.deepspeed``, ``foreign.dcp``) implement it; ``inspect``, ``verify``,
+peers' (``foreign.deepspeed``, ``foreign.dcp``) implement it, as siblings of one base
+(``step_base.StepBase``); ``inspect``, ``verify``,
 ``consolidate``, ``reshard`` and ``engine.load`` use nothing else, so a new format is one
 more plug-in (:func:`zerostate.store.sources.open_source` picks it by what the location
 holds). ``zerostate.testing.StepReaderTests`` is the conformance suite a format passes.
@@ -27,7 +28,15 @@ class StepSource(Protocol):
     world_size: int
     attrs: dict
     tensors: Mapping[str, TensorInfo]
+    #: For display; callers branch on the capability flags instead.
     format_version: int | str
+    #: May hold tensors by reference to older steps (``refs``); a save may refer to it.
+    supports_references: bool
+    #: ``alias(name, existing)`` is available (a loader names tensors the format mixes).
+    supports_aliases: bool
+
+    @property
+    def refs(self) -> dict[str, int]: ...
 
     @property
     def url(self) -> str: ...
@@ -54,6 +63,10 @@ class StepSource(Protocol):
     def rank_state(self, rank: int) -> dict | None: ...
 
     def close(self) -> None: ...
+
+    def __enter__(self) -> StepSource: ...
+
+    def __exit__(self, *exc: Any) -> None: ...
 
 
 @runtime_checkable

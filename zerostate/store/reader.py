@@ -7,10 +7,8 @@ read fetches every chunk that overlaps the range in full (the checksum covers th
 
 from __future__ import annotations
 
-import operator
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +24,8 @@ from zerostate.errors import (
 from zerostate.partition import chunk_reads
 from zerostate.store import format as fmt
 from zerostate.store import refs
-from zerostate.store.format import TensorInfo
+from zerostate.store.format import ChunkedTensorInfo
+from zerostate.store.step_base import StepBase
 from zerostate.store.storage import Storage, open_storage
 
 
@@ -120,9 +119,9 @@ class CheckpointReader:
         return holders
 
 
-class StepReader:
-    """One committed format-1 step (``StepReaderV2`` reads format 2 with the same
-    interface). Thread-safe; reads use a small pool (``close`` frees it)."""
+class StepReader(StepBase):
+    """One committed format-1 step: a read-only adapter of the step-reader protocol (a
+    sibling of ``StepReaderV2``, see ``step_base.py``). Every chunk is its own object."""
 
     format_version = 1
 
@@ -133,68 +132,31 @@ class StepReader:
         step: int,
         world_size: int,
         attrs: dict,
-        tensors: dict[str, TensorInfo],
+        tensors: dict[str, ChunkedTensorInfo],
         files: dict[str, fmt.ChunkRecord],
         num_threads: int,
     ) -> None:
+        super().__init__(step, world_size, attrs, tensors, num_threads)
         self._storage, self._dir = storage, directory
-        self.step, self.world_size, self.attrs, self.tensors = step, world_size, attrs, tensors
         self._files = files
-        self._num_threads = num_threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
 
     @property
     def url(self) -> str:
         return self._storage.url_of(self._dir)
 
-    def __repr__(self) -> str:
-        return (
-            f"StepReader({self.url!r}, world_size={self.world_size}, {len(self.tensors)} tensors)"
-        )
-
-    def close(self) -> None:
-        with self._pool_lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-
-    def __enter__(self) -> StepReader:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _map(self, fn: Callable, items: list) -> list:
-        if len(items) <= 1 or self._num_threads <= 1:
-            return [fn(x) for x in items]
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="zs-read")
-            pool = self._pool
-        return list(pool.map(fn, items))
-
     @property
     def object_count(self) -> int:
         """Objects of the step: chunks, metadata documents, manifests, commit record."""
-        chunks = sum(len(i.chunks) for i in self.tensors.values())
+        chunks = sum(len(i.chunks) for i in self._chunked.values())
         return chunks + len(self._files) + self.world_size + 1
 
-    def rank_state(self, rank: int) -> dict | None:
-        """Per-rank JSON state; format 1 has none."""
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
-        return None
-
-    def info(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise KeyError(f"step {self.step} at {self.url} has no tensor {name!r}") from None
+    @property
+    def _chunked(self) -> dict[str, ChunkedTensorInfo]:
+        return self.tensors  # type: ignore[return-value]  # format 1 records only
 
     # ------------------------------------------------------------------ chunks
     def iter_chunks(self) -> Iterator[ChunkRef]:
-        for name, info in self.tensors.items():
+        for name, info in self._chunked.items():
             for index, record in enumerate(info.chunks):
                 yield ChunkRef(
                     name, index, fmt.chunk_path(name, index), record.nbytes, record.crc32c
@@ -202,7 +164,7 @@ class StepReader:
 
     def read_chunk(self, name: str, index: int) -> memoryview:
         """The verified payload of one chunk (full chunk size, edge padding included)."""
-        info = self.info(name)
+        info = self._chunked[self.info(name).name]  # info() names a missing tensor
         if not 0 <= index < len(info.chunks):
             raise IndexError(f"{name}: chunk {index} out of range [0, {len(info.chunks)})")
         record = info.chunks[index]
@@ -257,37 +219,11 @@ class StepReader:
         self._map(copy, chunk_reads(info.layout, start, stop))
         return out
 
-    def _check_range(
-        self, info: TensorInfo, start: int, stop: int, out: torch.Tensor | None
-    ) -> tuple[int, int, torch.Tensor]:
-        name = info.name
-        try:
-            start, stop = operator.index(start), operator.index(stop)
-        except TypeError as exc:
-            raise ConfigError(f"{name}: start/stop must be integers ({exc})") from exc
-        if not 0 <= start <= stop <= info.numel:
-            raise ConfigError(f"{name}: range [{start}, {stop}) is outside [0, {info.numel})")
-        numel = stop - start
-        if out is None:
-            out = torch.empty(numel, dtype=info.dtype)
-        elif (
-            out.dtype != info.dtype
-            or out.dim() != 1
-            or out.numel() != numel
-            or not out.is_contiguous()
-            or out.device.type != "cpu"
-        ):
-            raise ConfigError(
-                f"{name}: out must be a contiguous 1-D CPU {info.dtype} tensor of {numel} "
-                f"elements, got {out.dtype} {tuple(out.shape)} on {out.device}"
-            )
-        return start, stop, out
-
     def _read_chunk_into(self, name: str, index: int, offset: int, dest: memoryview) -> None:
         """Verify chunk ``index`` of ``name`` and land its payload bytes
         ``[offset, offset + len(dest))`` straight in ``dest``. The rest of the chunk is
         still read (the checksum covers all of it) but into scratch space."""
-        record = self.info(name).chunks[index]
+        record = self._chunked[name].chunks[index]
         path = f"{self._dir}/{fmt.chunk_path(name, index)}"
         what = f"tensor {name!r} chunk {index} ({self._storage.url_of(path)})"
         tail = record.nbytes - offset - dest.nbytes
@@ -313,24 +249,6 @@ class StepReader:
                 f"{what} fails its checksum (crc32c {actual:#010x}, stored {stored:#010x}, "
                 f"commit record {record.crc32c:#010x}): the data is damaged"
             )
-
-    def read_many(
-        self, requests: Iterable[tuple[str, int, int, torch.Tensor | None]]
-    ) -> list[torch.Tensor]:
-        """Several ``(name, start, stop, out)`` reads (see :meth:`read_range`), in
-        parallel; format 2 overrides it to coalesce adjacent reads."""
-        items = list(requests)
-        if len(items) <= 1:
-            return [self.read_range(*r) for r in items]
-        # A pool of its own: read_range fans out over self._map, which must not wait on
-        # the threads running these requests.
-        with ThreadPoolExecutor(min(4, len(items)), thread_name_prefix="zs-read-many") as pool:
-            return list(pool.map(lambda r: self.read_range(*r), items))
-
-    def read(self, name: str) -> torch.Tensor:
-        """The whole tensor with its logical shape."""
-        info = self.info(name)
-        return self.read_range(name, 0, info.numel).reshape(info.shape)
 
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
         """Re-read every chunk and metadata document; raise listing every problem found."""

@@ -23,8 +23,8 @@ from zerostate.partition import chunk_reads
 from zerostate.store import format as fmt
 from zerostate.store import format2
 from zerostate.store import refs as refs_mod
-from zerostate.store.reader import StepReader
 from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
+from zerostate.store.step_base import StepBase
 from zerostate.store.storage import Storage
 
 #: Bytes verify reads per request: bounds its memory whatever the row size.
@@ -35,10 +35,12 @@ PROBE_NBYTES = 64 << 20
 RUN_NBYTES = 64 << 20
 
 
-class StepReaderV2(StepReader):
-    """One committed format-2 step; the same interface as :class:`StepReader`."""
+class StepReaderV2(StepBase):
+    """One committed format-2 step (a sibling of format 1's ``StepReader``, see
+    ``step_base.py``)."""
 
     format_version = format2.VERSION
+    supports_references = True
 
     def __init__(
         self,
@@ -64,19 +66,15 @@ class StepReaderV2(StepReader):
             tensors[name] = held
             self._held_by[name] = holder
         self._holders = dict(holders or {})
-        super().__init__(
-            storage,
-            directory,
-            step,
-            record.world_size,
-            record.attrs,
-            tensors,
-            record.files,
-            num_threads,
-        )
+        super().__init__(step, record.world_size, record.attrs, tensors, num_threads)
+        self._storage, self._dir, self._files = storage, directory, record.files
         self._plans, self._rows, self._manifests = record.plans, record.rows, record.manifests
         self._checked: set[tuple[str, int]] = set()
         self._checked_lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return self._storage.url_of(self._dir)
 
     @property
     def object_count(self) -> int:
@@ -102,12 +100,6 @@ class StepReaderV2(StepReader):
         super().close()
         for holder in self._holders.values():
             holder.close()
-
-    def iter_chunks(self) -> Any:
-        raise ConfigError(
-            f"step {self.step} is format 2: it has no per-chunk objects; use row_objects() "
-            "for its objects and read_range()/read_many() for data"
-        )
 
     def locate(self, name: str, element: int) -> tuple[str, int]:
         """Where element ``element`` of tensor ``name`` is stored: the row object's path
@@ -139,15 +131,6 @@ class StepReaderV2(StepReader):
         return self._storage.url_of(f"{self._dir}/{row_path(plan.name, rank)}")
 
     # ------------------------------------------------------------------- reads
-    def read_chunk(self, name: str, index: int) -> memoryview:
-        """The verified bytes of layout chunk ``index`` (the owner's range, unpadded)."""
-        info = self.info(name)
-        if not 0 <= index < info.layout.num_chunks:
-            raise IndexError(f"{name}: chunk {index} out of range [0, {info.layout.num_chunks})")
-        start, stop = info.layout.chunk_range(index)
-        out = self.read_range(name, start, stop)
-        return memoryview(out.view(torch.uint8).numpy()).cast("B")
-
     def read_range(
         self, name: str, start: int, stop: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -225,7 +208,7 @@ class StepReaderV2(StepReader):
                 outs[i] = out
         return outs
 
-    def _probe(self, info: fmt.TensorInfo, start: Any, stop: Any) -> None:
+    def _probe(self, info: format2.RowTensorInfo, start: Any, stop: Any) -> None:
         """Before allocating a large result, read the last byte it needs from each row:
         a commit record that lies about sizes fails here, not with a huge allocation."""
         try:
@@ -266,27 +249,7 @@ class StepReaderV2(StepReader):
         what = f"tensor(s) {_names(names)}: rank {rank}'s row of group {plan.name!r} ({url})"
         if row is None or p0 is None or p1 is None or p1 - p0 != last - first:
             raise CorruptCheckpointError(f"{what} does not hold the bytes they need")
-        parts: list[memoryview] = []
-        checks: list[tuple[int, list[memoryview], memoryview]] = []
-        crcs = memoryview(bytearray(CHECKSUM_NBYTES * (last - first + 1)))
-        i = 0
-        for k, j in enumerate(range(first, last + 1)):
-            pos, hi = j * size, (j + 1) * size
-            segments = []
-            while pos < hi:
-                while i < len(run) and run[i].hi <= pos:
-                    i += 1
-                if i < len(run) and run[i].lo <= pos:
-                    piece = run[i]
-                    end = min(piece.hi, hi)
-                    segments.append(piece.dest[pos - piece.lo : end - piece.lo])
-                else:
-                    end = min(run[i].lo, hi) if i < len(run) else hi
-                    segments.append(memoryview(bytearray(end - pos)))  # not asked for
-                pos = end
-            crc_view = crcs[k * CHECKSUM_NBYTES : (k + 1) * CHECKSUM_NBYTES]
-            parts += [*segments, crc_view]
-            checks.append((j, segments, crc_view))
+        parts, payloads, crcs = _chunk_parts(run, first, last, size)
         want = (last - first + 1) * stored
         try:
             got = self._storage.read_range_into(
@@ -299,12 +262,17 @@ class StepReaderV2(StepReader):
                 f"{what} ends early: {got} of {want} bytes at offset {p0 * stored} "
                 "(truncated or overwritten)"
             )
-        for j, segments, crc_view in checks:
-            actual = 0
-            for segment in segments:
-                actual = crc32c.crc32c(segment, actual)
-            stored_crc = int.from_bytes(crc_view, "little")
+        stored_crcs = crcs.cast("I")  # little-endian hosts only (see format.py)
+        for k, payload in enumerate(payloads):
+            if isinstance(payload, memoryview):
+                actual = crc32c.crc32c(payload)
+            else:  # a chunk split between asked-for bytes and scratch
+                actual = 0
+                for segment in payload:
+                    actual = crc32c.crc32c(segment, actual)
+            stored_crc = stored_crcs[k]
             if actual != stored_crc:
+                j = first + k
                 hit = _names(plan.tensors_in_chunk(rank, j))
                 raise CorruptCheckpointError(
                     f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
@@ -437,11 +405,9 @@ class StepReaderV2(StepReader):
             report(f"{where}: its chunk checksums do not match the commit record")
 
     # -------------------------------------------------------------- rank state
-    def rank_state(self, rank: int) -> dict | None:
+    def _rank_state(self, rank: int) -> dict | None:
         """The JSON object rank ``rank`` saved as ``rank_state`` (None if it saved none),
         read from its manifest and checked against the commit record."""
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
         path = fmt.manifest_path(rank)
         record = self._manifests[rank]
         problem = self._check_object(path, record, f"manifest of rank {rank}")
@@ -467,6 +433,48 @@ class _Piece:
     hi: int
     dest: memoryview
     name: str
+
+
+def _chunk_parts(
+    run: list[_Piece], first: int, last: int, size: int
+) -> tuple[list[memoryview], list[memoryview | tuple[memoryview, ...]], memoryview]:
+    """The buffers one read of inner chunks ``first..last`` fills, in file order: each
+    chunk's payload (a view of a piece's destination, or pieces of them and scratch for
+    bytes nobody asked for), then its 4 checksum bytes (a view of the returned ``crcs``).
+    Also each chunk's payload views, for the checks."""
+    count = last - first + 1
+    crcs = memoryview(bytearray(CHECKSUM_NBYTES * count))
+    parts: list[memoryview] = []
+    payloads: list[memoryview | tuple[memoryview, ...]] = []
+    i, piece = 0, run[0]
+    for k in range(count):
+        pos = (first + k) * size
+        hi = pos + size
+        while piece.hi <= pos:  # the run's last piece ends inside the last chunk
+            i += 1
+            piece = run[i]
+        if piece.lo <= pos and hi <= piece.hi:  # the common case: one piece covers it
+            view = piece.dest[pos - piece.lo : hi - piece.lo]
+            parts.append(view)
+            payloads.append(view)
+        else:
+            segments = []
+            while pos < hi:
+                while i < len(run) and run[i].hi <= pos:
+                    i += 1
+                if i < len(run) and run[i].lo <= pos:
+                    end = min(run[i].hi, hi)
+                    segments.append(run[i].dest[pos - run[i].lo : end - run[i].lo])
+                else:
+                    end = min(run[i].lo, hi) if i < len(run) else hi
+                    segments.append(memoryview(bytearray(end - pos)))  # not asked for
+                pos = end
+            i = min(i, len(run) - 1)
+            piece = run[i]
+            parts += segments
+            payloads.append(tuple(segments))
+        parts.append(crcs[k * CHECKSUM_NBYTES : (k + 1) * CHECKSUM_NBYTES])
+    return parts, payloads, crcs
 
 
 def _runs(pieces: list[_Piece], inner: int) -> list[list[_Piece]]:

@@ -7,6 +7,7 @@ zerostate root. Every command and ``engine.load`` open checkpoints through here.
 
 from __future__ import annotations
 
+from zerostate.store.foreign.detect import is_dcp, is_deepspeed
 from zerostate.store.protocol import CheckpointSource
 from zerostate.store.reader import CheckpointReader
 from zerostate.store.storage import open_storage
@@ -15,15 +16,17 @@ from zerostate.store.storage import open_storage
 def open_source(
     root: str, storage_options: dict | None = None, *, num_threads: int = 8
 ) -> CheckpointSource:
-    """The checkpoint at ``root`` (path or fsspec URL), whatever its format."""
-    from zerostate.store.foreign.dcp import DcpCheckpoint, is_dcp
-    from zerostate.store.foreign.deepspeed import DeepSpeedCheckpoint, is_deepspeed
-
+    """The checkpoint at ``root`` (path or fsspec URL), whatever its format. A peer's
+    reader is imported only when the location is that peer's."""
     storage = open_storage(root, storage_options)
     try:
         if is_dcp(storage):
+            from zerostate.store.foreign.dcp import DcpCheckpoint
+
             return DcpCheckpoint(storage, num_threads)
         if is_deepspeed(storage):
+            from zerostate.store.foreign.deepspeed import DeepSpeedCheckpoint
+
             return DeepSpeedCheckpoint(storage, num_threads)
     except FileNotFoundError:
         pass  # a missing root: the zerostate reader names the cause

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from zerostate.errors import ConfigError
+from zerostate.store.format import TensorInfo
 from zerostate.store.protocol import CheckpointSource, StepSource
 
 
@@ -59,6 +60,61 @@ class StepReaderTests:
         assert isinstance(case.step.attrs, dict)
         assert case.step.world_size >= 1 and case.step.object_count >= 1
         assert case.step.tensors, "a step holds tensors"
+
+    def test_capabilities_are_flags_not_versions(self, case: StepCase) -> None:
+        st = case.step
+        assert isinstance(st.supports_references, bool)
+        assert isinstance(st.supports_aliases, bool)
+        refs = st.refs
+        assert isinstance(refs, dict)
+        assert refs == {} or st.supports_references, "only a step that says so holds refs"
+        for name, holder in refs.items():
+            assert name in st.tensors and isinstance(holder, int) and holder < st.step
+
+    def test_records_are_tensor_infos(self, case: StepCase) -> None:
+        for name, info in case.step.tensors.items():
+            assert isinstance(info, TensorInfo) and info.name == name
+            assert case.step.info(name) is info
+            assert isinstance(info.attrs, dict)
+
+    def test_close_and_context_manager(self, case: StepCase) -> None:
+        name, info = next(iter(case.step.tensors.items()))
+        with case.checkpoint.step(case.step.step) as st:
+            want = st.read(name)
+        st.close()  # idempotent
+        assert torch.equal(st.read(name), want), "a closed step reads again on demand"
+        st.close()
+        assert tuple(want.shape) == tuple(info.shape)
+
+    def test_aliases_when_supported(self, case: StepCase) -> None:
+        name = next(iter(case.step.tensors))
+        if not case.step.supports_aliases:
+            return
+        case.step.alias("alias/of/it", name)
+        assert torch.equal(case.step.read("alias/of/it"), case.step.read(name))
+        assert case.step.info("alias/of/it").shape == case.step.info(name).shape
+
+    def test_read_many_lands_in_out(self, case: StepCase) -> None:
+        requests, outs = [], []
+        for name, info in case.step.tensors.items():
+            for a, b in _pieces(info.numel):
+                out = torch.empty(b - a, dtype=info.dtype)
+                requests.append((name, a, b, out))
+                outs.append(out)
+        results = case.step.read_many(requests)
+        for (name, a, b, _), out, got in zip(requests, outs, results, strict=True):
+            assert got.data_ptr() == out.data_ptr() or out.numel() == 0, (name, a, b)
+            assert torch.equal(out, case.step.read_range(name, a, b)), (name, a, b)
+
+    def test_out_of_the_wrong_kind_is_refused(self, case: StepCase) -> None:
+        name, info = next((n, i) for n, i in case.step.tensors.items() if i.numel >= 2)
+        wrong = torch.float64 if info.dtype != torch.float64 else torch.float32
+        with pytest.raises(ConfigError):
+            case.step.read_range(name, 0, 2, out=torch.empty(2, dtype=wrong))
+        with pytest.raises(ConfigError):
+            case.step.read_range(name, 0, 2, out=torch.empty(3, dtype=info.dtype))
+        with pytest.raises(ConfigError):
+            case.step.read_range(name, 0, 2, out=torch.empty(1, 2, dtype=info.dtype))
 
     def test_the_checkpoint_lists_and_reopens_the_step(self, case: StepCase) -> None:
         assert case.step.step in case.checkpoint.steps()

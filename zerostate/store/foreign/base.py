@@ -12,18 +12,17 @@ read whole: a consolidation holds one tensor, a load one rank's ranges.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zerostate.errors import ConfigError, CorruptCheckpointError
+from zerostate.errors import CorruptCheckpointError
 from zerostate.partition import even_layout
 from zerostate.store.format import TensorInfo
 from zerostate.store.safe_unpickle import StoredTensor, TorchArchive
+from zerostate.store.step_base import StepBase
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +64,12 @@ def check_cover(tensor: ForeignTensor, where: str) -> None:
         )
 
 
-class ForeignStep:
-    """One step of a peer's checkpoint behind the step-reader protocol."""
+class ForeignStep(StepBase):
+    """One step of a peer's checkpoint behind the step-reader protocol (a sibling of
+    zerostate's own readers, see ``zerostate.store.step_base``)."""
 
     format_version: str = "foreign"
+    supports_aliases = True
 
     def __init__(
         self,
@@ -80,21 +81,20 @@ class ForeignStep:
         archives: list[TorchArchive],
         num_threads: int = 4,
     ) -> None:
-        self.url, self.step, self.world_size, self.attrs = url, step, world_size, attrs
-        self._sources = {t.name: t for t in tensors}
         for t in tensors:
             check_cover(t, url)
-        self.tensors: dict[str, TensorInfo] = {
+        infos = {
             t.name: TensorInfo(t.name, t.shape, t.dtype, even_layout(_numel(t.shape), 1))
             for t in tensors
         }
+        super().__init__(step, world_size, attrs, infos, num_threads, thread_name="zs-peer")
+        self._url = url
+        self._sources = {t.name: t for t in tensors}
         self._archives = archives
-        self._num_threads = num_threads
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r}, {len(self.tensors)} tensors)"
+    @property
+    def url(self) -> str:
+        return self._url
 
     @property
     def object_count(self) -> int:
@@ -111,53 +111,19 @@ class ForeignStep:
         info = self.tensors[existing]
         self.tensors[name] = TensorInfo(name, info.shape, info.dtype, info.layout)
 
-    def rank_state(self, rank: int) -> dict | None:
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
-        return None
-
-    def info(self, name: str) -> TensorInfo:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise KeyError(f"{self.url} has no tensor {name!r}") from None
-
-    def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-
-    def __enter__(self) -> ForeignStep:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     # ------------------------------------------------------------------- reads
     def read_range(
         self, name: str, start: int, stop: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flat tensor as a 1-D tensor (into ``out``)."""
         info = self.info(name)
-        if not (isinstance(start, int) and isinstance(stop, int)) or not (
-            0 <= start <= stop <= info.numel
-        ):
-            raise ConfigError(f"{name}: range [{start}, {stop}) is outside [0, {info.numel})")
-        if out is None:
-            out = torch.empty(stop - start, dtype=info.dtype)
-        elif out.dtype != info.dtype or out.numel() != stop - start or not out.is_contiguous():
-            raise ConfigError(
-                f"{name}: out must be a contiguous 1-D {info.dtype} tensor of {stop - start} "
-                f"elements, got {out.dtype} {tuple(out.shape)}"
-            )
-        flat = out.view(-1)
+        start, stop, out = self._check_range(info, start, stop, out)
         for seg in self._sources[name].segments:
             lo, hi = max(start, seg.dst), min(stop, seg.dst + seg.numel)
             if lo >= hi:
                 continue
             a, b = seg.src + lo - seg.dst, seg.src + hi - seg.dst
-            dest = flat[lo - start : hi - start]
+            dest = out[lo - start : hi - start]
             if seg.tensor.dtype == info.dtype:
                 seg.archive.read(seg.tensor, a, b, out=dest)
             else:
@@ -167,20 +133,8 @@ class ForeignStep:
     def read_many(
         self, requests: Iterable[tuple[str, int, int, torch.Tensor | None]]
     ) -> list[torch.Tensor]:
-        items = list(requests)
-        return self._map(lambda r: self.read_range(*r), items)
-
-    def read(self, name: str) -> torch.Tensor:
-        info = self.info(name)
-        return self.read_range(name, 0, info.numel).reshape(info.shape)
-
-    def read_chunk(self, name: str, index: int) -> memoryview:
-        info = self.info(name)
-        if not 0 <= index < info.layout.num_chunks:
-            raise IndexError(f"{name}: chunk {index} out of range [0, {info.layout.num_chunks})")
-        start, stop = info.layout.chunk_range(index)
-        out = self.read_range(name, start, stop)
-        return memoryview(out.view(torch.uint8).numpy()).cast("B")
+        # read_range does not use the pool itself, so the requests can share it.
+        return self._map(lambda r: self.read_range(*r), list(requests))
 
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
         """Read every byte of every file and check the zip CRC-32 of every entry."""
@@ -194,15 +148,6 @@ class ForeignStep:
             raise CorruptCheckpointError(
                 f"{self.url}: {len(problems)} problem(s): " + "; ".join(problems[:20])
             )
-
-    def _map(self, fn: Callable, items: list) -> list:
-        if len(items) <= 1 or self._num_threads <= 1:
-            return [fn(x) for x in items]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="zs-peer")
-            pool = self._pool
-        return list(pool.map(fn, items))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -33,6 +33,7 @@ from zerostate.store.foreign.base import (
     Segment,
     foreign_engine_state,
 )
+from zerostate.store.foreign.detect import DCP_METADATA
 from zerostate.store.format import validate_name
 from zerostate.store.safe_unpickle import (
     DCP_GLOBALS,
@@ -46,13 +47,9 @@ from zerostate.store.safe_unpickle import (
 )
 from zerostate.store.storage import Storage
 
-METADATA = ".metadata"
+METADATA = DCP_METADATA
 METADATA_ALLOWED = {**TORCH_GLOBALS, **DCP_GLOBALS}
 _RANK_FILE = re.compile(r"__(\d{1,6})_\d{1,6}\.distcp")
-
-
-def is_dcp(storage: Storage) -> bool:
-    return storage.exists(METADATA)
 
 
 class DcpCheckpoint:

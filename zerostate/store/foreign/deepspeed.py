@@ -35,6 +35,7 @@ from zerostate.store.foreign.base import (
     Segment,
     foreign_engine_state,
 )
+from zerostate.store.foreign.detect import OPTIM_FILE, STEP_TAG, is_deepspeed, is_tag
 from zerostate.store.safe_unpickle import (
     DEEPSPEED_GLOBALS,
     TORCH_GLOBALS,
@@ -46,20 +47,9 @@ from zerostate.store.storage import Storage
 
 ALLOWED = {**TORCH_GLOBALS, **DEEPSPEED_GLOBALS}
 _TAG = re.compile(r"[A-Za-z0-9_.-]{1,200}")
-_STEP_TAG = re.compile(r"global_step(\d{1,12})")
-_OPTIM = re.compile(r"(bf16_)?zero_pp_rank_(\d{1,6})_mp_rank_00_optim_states\.pt")
+_STEP_TAG, _OPTIM = STEP_TAG, OPTIM_FILE
 _MODEL3 = re.compile(r"zero_pp_rank_(\d{1,6})_mp_rank_00_model_states\.pt")
 MODEL_FILE = "mp_rank_00_model_states.pt"
-
-
-def is_deepspeed(storage: Storage) -> bool:
-    """A DeepSpeed root (``latest`` or a ``global_step*`` tag) or one tag directory."""
-    names = storage.list_dir("")
-    return "latest" in names or any(_STEP_TAG.fullmatch(n) for n in names) or _is_tag(names)
-
-
-def _is_tag(names: list[str]) -> bool:
-    return any(_OPTIM.fullmatch(n) for n in names)
 
 
 class DeepSpeedCheckpoint:
@@ -76,13 +66,13 @@ class DeepSpeedCheckpoint:
 
     def _tags(self) -> dict[int, str]:
         names = self._storage.list_dir("")
-        if _is_tag(names):
+        if is_tag(names):
             return {}
         return {int(m.group(1)): n for n in names if (m := _STEP_TAG.fullmatch(n))}
 
     def steps(self) -> list[int]:
         tags = self._tags()
-        if not tags and _is_tag(self._storage.list_dir("")):
+        if not tags and is_tag(self._storage.list_dir("")):
             return [self.step().step]
         return sorted(tags)
 
@@ -91,7 +81,7 @@ class DeepSpeedCheckpoint:
 
     def latest_tag(self) -> str:
         names = self._storage.list_dir("")
-        if _is_tag(names):
+        if is_tag(names):
             return ""
         if "latest" in names:
             tag = self._storage.read("latest").decode("utf-8", "replace").strip()

@@ -1,0 +1,181 @@
+"""What every step reader shares, whatever its format: the base of the plug-ins behind
+the step-reader protocol (``zerostate.store.protocol``).
+
+zerostate's format 1 (``reader.StepReader``, a read-only adapter), format 2
+(``reader_v2.StepReaderV2``) and the peers' (``foreign.base.ForeignStep``) are siblings
+under :class:`StepBase`: it owns the thread pool, ``close`` and the context manager, the
+checks of a requested range and a rank, and the reads that follow from ``read_range``
+(``read``, ``read_many``, ``read_chunk``). A format adds how its bytes are found and
+verified. What a format can do beyond the protocol it says with capability flags, so
+callers never branch on ``format_version`` or probe for methods.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+import torch
+
+from zerostate.errors import ConfigError
+from zerostate.store.format import TensorInfo
+
+
+class StepBase:
+    """One committed step of some format. Thread-safe; reads use a small pool that
+    ``close`` frees."""
+
+    #: Shown by ``inspect``; never branched on outside the readers (use the flags below).
+    format_version: ClassVar[int | str]
+    #: The step may hold tensors by reference to older steps (``refs``), and records each
+    #: rank's frozen-tensor digests in its rank state: a save may refer to it.
+    supports_references: ClassVar[bool] = False
+    #: ``alias(name, existing)`` works: the format cannot tell some tensors apart (DCP
+    #: stores buffers among the model's tensors) and a loader names them.
+    supports_aliases: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        step: int,
+        world_size: int,
+        attrs: dict,
+        tensors: Mapping[str, TensorInfo],
+        num_threads: int,
+        thread_name: str = "zs-read",
+    ) -> None:
+        self.step, self.world_size, self.attrs = step, world_size, attrs
+        self.tensors: dict[str, TensorInfo] = dict(tensors)
+        self._num_threads = num_threads
+        self._thread_name = thread_name
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # ------------------------------------------------------------ what a format adds
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def object_count(self) -> int:
+        raise NotImplementedError
+
+    def read_range(
+        self, name: str, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flat tensor, verified, as a 1-D tensor (in
+        ``out`` when given; :meth:`_check_range` says what ``out`` must be)."""
+        raise NotImplementedError
+
+    def verify(self, progress: Callable[[int], Any] | None = None) -> None:
+        """Re-read every stored byte and check it; raise listing every problem found.
+        ``progress`` gets logical byte counts that add up to the tensors' bytes."""
+        raise NotImplementedError
+
+    def _rank_state(self, rank: int) -> dict | None:
+        return None  # a format with per-rank JSON state overrides it
+
+    # ------------------------------------------------------------------- shared
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.url!r}, world_size={self.world_size}, "
+            f"{len(self.tensors)} tensors)"
+        )
+
+    def __enter__(self) -> StepBase:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the thread pool (idempotent; reads after it start a new one)."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    @property
+    def refs(self) -> dict[str, int]:
+        """``{tensor: holder step}`` of the tensors held by older steps (none here)."""
+        return {}
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"step {self.step} at {self.url} has no tensor {name!r}") from None
+
+    def rank_state(self, rank: int) -> dict | None:
+        """The JSON state rank ``rank`` saved (None when it, or the format, saved none)."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        return self._rank_state(rank)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor with its logical shape."""
+        info = self.info(name)
+        return self.read_range(name, 0, info.numel).reshape(info.shape)
+
+    def read_many(
+        self, requests: Iterable[tuple[str, int, int, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
+        """Several ``(name, start, stop, out)`` reads (see :meth:`read_range`), results
+        in request order. A format that can coalesce them overrides this."""
+        items = list(requests)
+        if len(items) <= 1:
+            return [self.read_range(*r) for r in items]
+        # A pool of its own: read_range may fan out over self._map, which must not wait
+        # on the threads running these requests.
+        with ThreadPoolExecutor(min(4, len(items)), thread_name_prefix="zs-read-many") as pool:
+            return list(pool.map(lambda r: self.read_range(*r), items))
+
+    def read_chunk(self, name: str, index: int) -> memoryview:
+        """The verified bytes of layout chunk ``index`` (its owner's range)."""
+        info = self.info(name)
+        if not 0 <= index < info.layout.num_chunks:
+            raise IndexError(f"{name}: chunk {index} out of range [0, {info.layout.num_chunks})")
+        start, stop = info.layout.chunk_range(index)
+        out = self.read_range(name, start, stop)
+        return memoryview(out.view(torch.uint8).numpy()).cast("B")
+
+    def _map(self, fn: Callable, items: list) -> list:
+        if len(items) <= 1 or self._num_threads <= 1:
+            return [fn(x) for x in items]
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self._num_threads, thread_name_prefix=self._thread_name
+                )
+            pool = self._pool
+        return list(pool.map(fn, items))
+
+    def _check_range(
+        self, info: TensorInfo, start: int, stop: int, out: torch.Tensor | None
+    ) -> tuple[int, int, torch.Tensor]:
+        """``(start, stop, out)`` checked: integer bounds inside the tensor, and ``out``
+        (allocated when None) a contiguous 1-D CPU tensor of the tensor's dtype."""
+        name = info.name
+        try:
+            start, stop = operator.index(start), operator.index(stop)
+        except TypeError as exc:
+            raise ConfigError(f"{name}: start/stop must be integers ({exc})") from exc
+        if not 0 <= start <= stop <= info.numel:
+            raise ConfigError(f"{name}: range [{start}, {stop}) is outside [0, {info.numel})")
+        numel = stop - start
+        if out is None:
+            out = torch.empty(numel, dtype=info.dtype)
+        elif (
+            out.dtype != info.dtype
+            or out.dim() != 1
+            or out.numel() != numel
+            or not out.is_contiguous()
+            or out.device.type != "cpu"
+        ):
+            raise ConfigError(
+                f"{name}: out must be a contiguous 1-D CPU {info.dtype} tensor of {numel} "
+                f"elements, got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        return start, stop, out
