@@ -456,7 +456,9 @@ def prune_steps(
     if old:  # steps the kept ones refer to stay ([Note: tensor references] in refs.py)
         kept = refs.kept_steps(storage, set(committed[-keep_last:]))
         old = [s for s in old if kept is not None and s not in kept]
-    for step in old:
+    # Newest first: references point to older steps, so a crash part-way leaves no
+    # committed step whose holder is already gone.
+    for step in sorted(old, reverse=True):
         _delete_dir(storage, step)
     storage.sync_dirs()
     return old, stale
