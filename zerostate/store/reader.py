@@ -391,8 +391,9 @@ def _step_dirs(storage: Storage) -> dict[int, str]:
 
 def _scan(storage: Storage) -> tuple[list[int], list[int]]:
     committed, partial = [], []
-    for step, name in sorted(_step_dirs(storage).items()):
-        has_record = storage.exists(f"{name}/{fmt.COMMIT_PATH}")
+    dirs = sorted(_step_dirs(storage).items())
+    records = storage.exists_many([f"{name}/{fmt.COMMIT_PATH}" for _, name in dirs])
+    for (step, _), has_record in zip(dirs, records, strict=True):
         (committed if has_record else partial).append(step)
     return committed, partial
 

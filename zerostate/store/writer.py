@@ -364,10 +364,12 @@ class StepWriter:
         delay = 0.01
         while True:
             listed = set(self._storage.list_dir(self._path(fmt.MANIFEST_DIR)))
-            for r in range(self.world_size):
-                if r in manifests or f"rank-{r:05d}" not in listed:
-                    continue
-                manifest = self._read_manifest(r)
+            ready = [
+                r
+                for r in range(self.world_size)
+                if r not in manifests and f"rank-{r:05d}" in listed
+            ]
+            for r, manifest in zip(ready, self._read_manifests(ready), strict=True):
                 if manifest is not None:
                     manifests[r] = manifest
             if len(manifests) == self.world_size:
@@ -386,6 +388,15 @@ class StepWriter:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
         self._write_commit_record(manifests)
+
+    def _read_manifests(self, ranks: list[int]) -> list[tuple[dict, bytes] | None]:
+        """:meth:`_read_manifest` of each rank; concurrently, so that a commit of many
+        ranks waits about one round trip per batch of manifests, not one per rank."""
+        if len(ranks) < 2:
+            return [self._read_manifest(r) for r in ranks]
+        workers = min(len(ranks), 4 * self._num_threads)
+        with ThreadPoolExecutor(workers, thread_name_prefix="zs-manifest") as pool:
+            return list(pool.map(self._read_manifest, ranks))
 
     def _read_manifest(self, r: int) -> tuple[dict, bytes] | None:
         where = f"manifest of rank {r} in {self.url}"
