@@ -169,6 +169,23 @@ class Storage(ABC):
             got = self.read_range_into(path, byte_range.start, [view])
             return bytes(view[:got])
 
+    def size(self, path: str) -> int:
+        """Bytes of the object at ``path``; ``FileNotFoundError`` if absent. Backends with
+        a stat answer in one request; this default probes with one-byte range reads."""
+        byte = memoryview(bytearray(1))
+        if not self.exists(path):
+            raise FileNotFoundError(f"{self.url_of(path)} does not exist")
+        lo, hi = 0, 1
+        while self.read_range_into(path, hi - 1, [byte]) == 1:
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:  # lo bytes exist, hi do not
+            mid = (lo + hi) // 2
+            if self.read_range_into(path, mid - 1, [byte]) == 1:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     @abstractmethod
     def exists(self, path: str) -> bool:
         """Whether an object exists at ``path`` now (no stale cache: ranks poll with it).

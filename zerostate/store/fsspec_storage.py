@@ -171,6 +171,18 @@ class FsspecStorage(Storage):
 
         return scatter(memoryview(self._retry("reading", path, cat)), parts)
 
+    def size(self, path: str) -> int:
+        target = self._abs(path)
+        self.fs.invalidate_cache(target.rsplit("/", 1)[0])
+
+        def stat() -> int:
+            info = self.fs.info(target)
+            if info.get("type") == "directory":
+                raise FileNotFoundError(errno.ENOENT, "not an object", self.url_of(path))
+            return int(info["size"])
+
+        return self._retry("checking", path, stat)
+
     def exists(self, path: str) -> bool:
         target = self._abs(path)
         self.fs.invalidate_cache(target.rsplit("/", 1)[0])

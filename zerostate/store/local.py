@@ -200,6 +200,17 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    def size(self, path: str) -> int:
+        target = self._contained(path)
+        try:
+            if os.path.isdir(target):
+                raise IsADirectoryError(target)
+            return os.path.getsize(target)
+        except _NOT_FOUND as exc:
+            raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+
     def exists(self, path: str) -> bool:
         return os.path.exists(self._abs(path))
 

@@ -100,6 +100,19 @@ class StorageTests:
         assert storage.exists_many(paths) == [False, True, False, True, True, False]
         assert storage.exists_many([]) == []
 
+    def test_size(self, storage):
+        storage.check_writable()
+        self.put(storage, "z/obj", _DATA)
+        self.put(storage, "z/one", b"1")
+        self.put(storage, "z/sub/empty", [])
+        assert storage.size("z/obj") == len(_DATA) and storage.size("z/one") == 1
+        assert storage.size("z/sub/empty") == 0
+        with pytest.raises(FileNotFoundError):
+            storage.size("z/nope")
+        assert Storage.size(storage, "z/obj") == len(_DATA)  # the probing default agrees
+        with pytest.raises(FileNotFoundError):
+            Storage.size(storage, "z/nope")
+
     def test_empty_object(self, storage):
         storage.check_writable()
         self.put(storage, "e/empty", [])
