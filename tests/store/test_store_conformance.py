@@ -197,12 +197,12 @@ class StoreConformance:
     def test_large_row_is_streamed(self, ckpt, monkeypatch):
         import fsspec
 
-        from zerostate.store import storage
+        from zerostate.store import fsspec_storage, s3
 
-        monkeypatch.setattr(storage, "STREAM_THRESHOLD", 6 << 20)
-        monkeypatch.setattr(storage, "STREAM_BLOCK", 5 << 20)  # S3's smallest part size
-        monkeypatch.setattr(storage, "MULTIPART_PART_NBYTES", 5 << 20)
-        monkeypatch.setattr(storage, "SINGLE_PUT_NBYTES", 5 << 20)
+        monkeypatch.setattr(fsspec_storage, "STREAM_THRESHOLD", 6 << 20)
+        monkeypatch.setattr(fsspec_storage, "STREAM_BLOCK", 5 << 20)  # S3's smallest part size
+        monkeypatch.setattr(s3, "MULTIPART_PART_NBYTES", 5 << 20)
+        monkeypatch.setattr(s3, "SINGLE_PUT_NBYTES", 5 << 20)
         streamed, parts = [], []
         original = fsspec.spec.AbstractFileSystem.open
 
@@ -212,7 +212,7 @@ class StoreConformance:
             return original(self, path, mode, *args, **kwargs)
 
         monkeypatch.setattr(fsspec.spec.AbstractFileSystem, "open", spy)
-        multipart = storage.FsspecStorage._parallel_multipart
+        multipart = fsspec_storage.S3Storage._parallel_multipart
 
         def spy_multipart(self, target, make_parts):
             def counted():
@@ -223,7 +223,7 @@ class StoreConformance:
             streamed.append(target.rsplit("/", 4)[-4:])
             return multipart(self, target, counted)
 
-        monkeypatch.setattr(storage.FsspecStorage, "_parallel_multipart", spy_multipart)
+        monkeypatch.setattr(fsspec_storage.S3Storage, "_parallel_multipart", spy_multipart)
         big = {"model/big": torch.arange(3_000_001, dtype=torch.float32)}
         ckpt.write(1, big, world_size=1)
         st = ckpt.open().step(1)

@@ -309,8 +309,9 @@ def _step_dirs(storage: Storage) -> dict[int, str]:
 
 def _scan(storage: Storage) -> tuple[list[int], list[int]]:
     committed, partial = [], []
-    for step, name in sorted(_step_dirs(storage).items()):
-        has_record = storage.exists(f"{name}/{fmt.COMMIT_PATH}")
+    dirs = sorted(_step_dirs(storage).items())
+    records = storage.exists_many([f"{name}/{fmt.COMMIT_PATH}" for _, name in dirs])
+    for (step, _), has_record in zip(dirs, records, strict=True):
         (committed if has_record else partial).append(step)
     return committed, partial
 
@@ -374,7 +375,9 @@ def prune_steps(
     if old:  # steps the kept ones refer to stay ([Note: tensor references] in refs.py)
         kept = refs.kept_steps(storage, set(committed[-keep_last:]))
         old = [s for s in old if kept is not None and s not in kept]
-    for step in old:
+    # Newest first: references point to older steps, so a crash part-way leaves no
+    # committed step whose holder is already gone.
+    for step in sorted(old, reverse=True):
         _delete_dir(storage, step)
     storage.sync_dirs()
     return old, stale

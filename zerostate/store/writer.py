@@ -3,7 +3,7 @@ manifest; rank 0 commits.
 
 [Note: commit protocol]
 1. Each rank streams its row of every group it stores bytes of (see [Note: rows] in
-   ``rows.py``) as one object, durably (see [Note: durability] in ``storage.py``); rank 0
+   ``rows.py``) as one object, durably (see [Note: durability] in ``base.py``); rank 0
    also writes the zarr group and array documents.
 2. Once all of them are durable, the rank writes ``_zerostate/manifests/rank-<r>/zarr.json``
    listing every object it wrote with its size and checksums, plus its ``rank_state``.
@@ -363,17 +363,21 @@ class StepWriter:
         manifests: dict[int, tuple[dict, bytes]] = {}
         delay = 0.01
         while True:
-            listed = set(self._storage.list_dir(self._path(fmt.MANIFEST_DIR)))
-            for r in range(self.world_size):
-                if r in manifests or f"rank-{r:05d}" not in listed:
-                    continue
-                manifest = self._read_manifest(r)
+            ready = [r for r in range(self.world_size) if r not in manifests]
+            own_listed = True
+            if self._storage.listing_is_consistent:
+                # One listing says which manifests exist; without a consistent listing
+                # (see [Note: storage capabilities]) every missing one is read instead.
+                listed = set(self._storage.list_dir(self._path(fmt.MANIFEST_DIR)))
+                ready = [r for r in ready if f"rank-{r:05d}" in listed]
+                own_listed = f"rank-{self.rank:05d}" in listed
+            for r, manifest in zip(ready, self._read_manifests(ready), strict=True):
                 if manifest is not None:
                     manifests[r] = manifest
             if len(manifests) == self.world_size:
                 break
             self._raise_if_aborted()
-            if f"rank-{self.rank:05d}" not in listed:
+            if not own_listed or self.rank not in manifests:
                 self._raise_if_removed()
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.world_size) if r not in manifests]
@@ -386,6 +390,15 @@ class StepWriter:
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
         self._write_commit_record(manifests)
+
+    def _read_manifests(self, ranks: list[int]) -> list[tuple[dict, bytes] | None]:
+        """:meth:`_read_manifest` of each rank; concurrently, so that a commit of many
+        ranks waits about one round trip per batch of manifests, not one per rank."""
+        if len(ranks) < 2:
+            return [self._read_manifest(r) for r in ranks]
+        workers = min(len(ranks), 4 * self._num_threads)
+        with ThreadPoolExecutor(workers, thread_name_prefix="zs-manifest") as pool:
+            return list(pool.map(self._read_manifest, ranks))
 
     def _read_manifest(self, r: int) -> tuple[dict, bytes] | None:
         where = f"manifest of rank {r} in {self.url}"
@@ -518,8 +531,13 @@ class StepWriter:
         delay = 0.01
         commit_path = self._path(fmt.COMMIT_PATH)
         while True:
-            # One listing a poll says whether the step is committed, aborted or gone.
-            present = set(self._storage.list_dir(self._path(fmt.META_DIR)))
+            # One listing a poll says whether the step is committed, aborted or gone;
+            # without a consistent listing, look at each of them directly.
+            if self._storage.listing_is_consistent:
+                present = set(self._storage.list_dir(self._path(fmt.META_DIR)))
+            else:
+                meta = (fmt.COMMIT_PATH, fmt.ABORT_DIR, fmt.MANIFEST_DIR)
+                present = {_meta_entry(p) for p in meta}
             if _meta_entry(fmt.COMMIT_PATH) in present:
                 try:
                     raw = self._storage.read(commit_path)

@@ -1,0 +1,260 @@
+"""Local disk: atomic writes (``.partial`` then rename), fsynced files and directories,
+positioned vector reads. See [Note: durability] in ``base.py``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+from zerostate.errors import CheckpointNotFoundError, StorageError, UnsafeNameError
+from zerostate.store.base import Buffer, ByteRange, Storage
+
+_IOV_BATCH = 512  # below every platform's IOV_MAX
+_WRITE_SLICE = 64 << 20  # os.write moves at most ~2 GiB per call; slices keep calls short
+_NOT_FOUND = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+class LocalStorage(Storage):
+    """A directory on local disk (plain paths and ``file://`` URLs)."""
+
+    has_directories = True
+    needs_dir_sync = True
+    supports_rename = True
+    supports_range_reads = True
+
+    def __init__(self, root: str) -> None:
+        root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
+        super().__init__(root)
+        self.root = root
+        self._lock = threading.Lock()
+        self._dirty_dirs: set[str] = set()
+
+    def _abs(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def _contained(self, path: str) -> str:
+        """``_abs(path)``, refused when links make it resolve outside the root: a hostile
+        checkpoint must not make a reader (or a writer) touch files elsewhere."""
+        target = self._abs(path)
+        real_root = os.path.realpath(self.root)
+        real = os.path.realpath(target)
+        if real != real_root and not real.startswith(real_root + os.sep):
+            raise UnsafeNameError(
+                f"{target} resolves to {real}, outside the checkpoint root {real_root} (a "
+                "link out of the checkpoint); zerostate does not follow such links"
+            )
+        return target
+
+    # ------------------------------------------------------------------- checks
+    def check_writable(self) -> None:
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StorageError(
+                f"checkpoint root {self.root} is a file, not a directory: name a directory"
+            )
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create checkpoint directory {self.root}: {exc}") from exc
+
+    def check_readable(self) -> None:
+        if os.path.isdir(self.root):
+            return
+        if os.path.exists(self.root):
+            raise CheckpointNotFoundError(
+                f"{self.root} is a file, not a checkpoint directory: pass the checkpoint "
+                "root (the directory holding step-* directories)"
+            )
+        raise CheckpointNotFoundError(
+            f"no checkpoint at {self.root}: the directory does not exist; check the path"
+        )
+
+    # ------------------------------------------------------------------ writing
+    def makedirs(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            target = self._abs(path)
+            if os.path.isdir(target):
+                continue
+            # Record every directory this creates: each new entry lives in its parent.
+            missing = []
+            cur = target
+            while not os.path.isdir(cur):
+                missing.append(cur)
+                cur = os.path.dirname(cur)
+            try:
+                os.makedirs(target, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(f"cannot create directory {target}: {exc}") from exc
+            with self._lock:
+                self._dirty_dirs.update(os.path.dirname(m) for m in missing)
+
+    def write(self, path: str, parts: Sequence[Buffer]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        self.write_stream(path, lambda: views, sum(v.nbytes for v in views))
+
+    def write_stream(
+        self, path: str, make_parts: Callable[[], Iterable[Buffer]], nbytes: int
+    ) -> None:
+        target = self._contained(path)
+        partial = target + ".partial"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+            fd = os.open(partial, flags, 0o644)
+            try:
+                batch: list[memoryview] = []
+                size = 0
+                for part in make_parts():
+                    view = memoryview(part).cast("B")
+                    if view.nbytes:
+                        batch.append(view)
+                        size += view.nbytes
+                    # One writev per batch: small pieces (checksums, short tensors) cost
+                    # no syscall each, and no batch is joined into a copy.
+                    if len(batch) >= _IOV_BATCH or size >= _WRITE_SLICE:
+                        _writev_all(fd, batch)
+                        batch, size = [], 0
+                _writev_all(fd, batch)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(partial, target)
+        except OSError as exc:
+            raise StorageError(f"writing {target} failed: {exc}") from exc
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(target))
+
+    def sync_dirs(self) -> None:
+        with self._lock:
+            dirs, self._dirty_dirs = sorted(self._dirty_dirs, key=len, reverse=True), set()
+        for d in dirs:
+            try:
+                fd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                continue  # removed since (e.g. a concurrent delete): nothing to persist
+            except OSError as exc:
+                raise StorageError(f"fsync of directory {d} failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ reading
+    def read(self, path: str, byte_range: ByteRange | None = None) -> bytes:
+        if byte_range is not None:
+            return self._read_range(path, byte_range)
+        target = self._contained(path)
+        try:
+            with open(target, "rb") as f:
+                return f.read()
+        except _NOT_FOUND as exc:
+            raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+
+    def read_into(self, path: str, parts: Sequence[memoryview]) -> int:
+        target = self._contained(path)
+        try:
+            with open(target, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != sum(p.nbytes for p in parts):
+                    return size
+                for part in parts:
+                    got = 0
+                    while got < part.nbytes:
+                        n = f.readinto(part[got:])
+                        if not n:
+                            return got  # shrank while reading: reported as truncated
+                        got += n
+                return size
+        except _NOT_FOUND as exc:
+            raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+
+    def read_range_into(self, path: str, offset: int, parts: Sequence[memoryview]) -> int:
+        target = self._contained(path)
+        try:
+            fd = os.open(target, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except _NOT_FOUND as exc:
+            raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+        try:
+            done, i = 0, 0
+            pending = [p for p in parts if p.nbytes]
+            while i < len(pending):
+                n = os.preadv(fd, pending[i : i + _IOV_BATCH], offset + done)
+                if n == 0:
+                    break  # the object ends early: the caller reports it as truncated
+                done += n
+                while i < len(pending) and n >= pending[i].nbytes:
+                    n -= pending[i].nbytes
+                    i += 1
+                if n:
+                    pending[i] = pending[i][n:]
+            return done
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def size(self, path: str) -> int:
+        target = self._contained(path)
+        try:
+            if os.path.isdir(target):
+                raise IsADirectoryError(target)
+            return os.path.getsize(target)
+        except _NOT_FOUND as exc:
+            raise FileNotFoundError(errno.ENOENT, "not found", target) from exc
+        except OSError as exc:
+            raise StorageError(f"reading {target} failed: {exc}") from exc
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self._abs(path)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    # ----------------------------------------------------------------- deleting
+    def remove(self, path: str) -> None:
+        target = self._abs(path)
+        try:
+            os.remove(target)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(target))
+
+    def remove_tree(self, path: str) -> None:
+        target = self._abs(path)
+        errors: list[str] = []
+
+        def record(function, failed_path, exc_info) -> None:
+            exc = exc_info[1]
+            if not isinstance(exc, FileNotFoundError):  # removed concurrently: fine
+                errors.append(f"{failed_path}: {exc.strerror or exc}")
+
+        if os.path.islink(target):
+            os.unlink(target)  # a link is removed, never what it points to
+        else:
+            shutil.rmtree(target, onerror=record)
+        if os.path.lexists(target):
+            shown = "; ".join(errors[:3]) or "it reappeared while being removed"
+            raise StorageError(f"could not remove {target}: {shown}")
+        with self._lock:
+            self._dirty_dirs.add(os.path.dirname(target))
+
+
+def _writev_all(fd: int, views: list[memoryview]) -> None:
+    while views:
+        n = os.writev(fd, views[:_IOV_BATCH])  # releases the GIL
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views = views[1:]
+        if n:
+            views = [views[0][n:], *views[1:]]
