@@ -57,6 +57,7 @@ def _arm_local(point: KillPoint | None, counter: list[int], lock: threading.Lock
 
 def _arm_s3(point: KillPoint | None, counter: list[int], lock: threading.Lock) -> None:
     import s3fs
+    from fsspec.asyn import sync_wrapper
 
     original = s3fs.S3FileSystem._call_s3
 
@@ -69,6 +70,9 @@ def _arm_s3(point: KillPoint | None, counter: list[int], lock: threading.Lock) -
         return await original(self, method, *args, **kwargs)
 
     s3fs.S3FileSystem._call_s3 = wrapped
+    # s3fs binds its sync ``call_s3`` to the original coroutine when the class is made, so
+    # requests made through it (multipart parts, HEAD checks) need the wrapper there too.
+    s3fs.S3FileSystem.call_s3 = sync_wrapper(wrapped)
 
 
 def run_in_child(
