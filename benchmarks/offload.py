@@ -163,14 +163,17 @@ def _deepspeed_step_time(width: int, steps: int = 4) -> float:
     return statistics.median(times[1:])
 
 
-def _phases(fwd, bwd, step) -> tuple[float, float, float]:
-    t0 = time.perf_counter()
+def _phases(fwd, bwd, step) -> tuple[float, float, float, float]:
+    """Wall seconds of forward, backward and step, then the process's CPU seconds of all
+    three (less moved by other jobs on a shared machine than wall time)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     loss = fwd()
     t1 = time.perf_counter()
     bwd(loss)
     t2 = time.perf_counter()
     step()
-    return t1 - t0, t2 - t1, time.perf_counter() - t2
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0
 
 
 def _cpu_contenders(width: int, threads: int, x: torch.Tensor) -> dict[str, tuple]:
@@ -208,7 +211,7 @@ def _cpu_contenders(width: int, threads: int, x: torch.Tensor) -> dict[str, tupl
 def cpu_step(width: int, threads: int, rounds: int = 8) -> dict[str, Any]:
     """Every contender steps once per round, in an order reversed every round (ABBA), so a
     change in the machine's load reaches all of them alike; medians over the rounds after a
-    warm-up round, per phase (forward, backward, step) and in all."""
+    warm-up round, per phase (forward, backward, step) and in all, and of the CPU time."""
     import os
 
     import deepspeed
@@ -227,7 +230,7 @@ def cpu_step(width: int, threads: int, rounds: int = 8) -> dict[str, Any]:
     numel = sum(p.numel() for p in _gpt2(width).parameters())
     contenders = _cpu_contenders(width, threads, x)
     names = list(contenders)
-    times: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+    times: dict[str, list[tuple[float, ...]]] = {n: [] for n in names}
     for r in range(rounds + 1):
         for name in names if r % 2 == 0 else reversed(names):
             phases = _phases(*contenders[name])
@@ -236,7 +239,8 @@ def cpu_step(width: int, threads: int, rounds: int = 8) -> dict[str, Any]:
     out: dict[str, Any] = {"numel": numel, "threads": threads, "width": width, "rounds": rounds}
     for name in names:
         rows = times[name]
-        out[f"{name}_s"] = statistics.median(sum(t) for t in rows)
+        out[f"{name}_s"] = statistics.median(sum(t[:3]) for t in rows)
+        out[f"{name}_cpu_s"] = statistics.median(t[3] for t in rows)
         out[f"{name}_phases_s"] = {
             phase: statistics.median(t[i] for t in rows)
             for i, phase in enumerate(("forward", "backward", "step"))
@@ -245,6 +249,10 @@ def cpu_step(width: int, threads: int, rounds: int = 8) -> dict[str, Any]:
         out["zerostate_offload_s"] / out["deepspeed_offload_s"]
     )
     out["ratio_zerostate_to_deepspeed"] = out["zerostate_s"] / out["deepspeed_s"]
+    out["cpu_ratio_zerostate_to_deepspeed_offload"] = (
+        out["zerostate_offload_cpu_s"] / out["deepspeed_offload_cpu_s"]
+    )
+    out["cpu_ratio_zerostate_to_deepspeed"] = out["zerostate_cpu_s"] / out["deepspeed_cpu_s"]
     return out
 
 
