@@ -16,8 +16,9 @@ One optimizer step (``K = grad_accum_steps``):
    all-reduce of the squared norm and per-parameter gradient flags gives the global norm,
    the overflow verdict and which parameters to step on every rank; the optimizer
    (zerostate.optim) updates the fp32 master shards; the strategy refreshes the working
-   parameters; gradients are zeroed. With ``offload`` the clipped gradient shards go to
-   the host first and the optimizer steps host masters ([Note: offload] in
+   parameters; gradients are zeroed. With ``offload`` the gradient shards went to the host
+   during the last backward, as each group's reduce completed; scaling, the norm, clipping
+   and the optimizer then run on the host masters ([Note: offload] in
    zerostate.runtime.offload).
 """
 
