@@ -1,7 +1,7 @@
 """ZeRO-Offload benchmarks: the host optimizer step, and (on a GPU) what offload buys.
 
     python -m benchmarks.offload host [--numel 58.7e6] [--threads 2] [--reps 5]
-    python -m benchmarks.offload step [--width 512] [--threads 2]  # one CPU process
+    python -m benchmarks.offload step [--width 512] [--threads 2] [--rounds 8]  # 1 process
     python -m benchmarks.offload gpu  [--out result.json]      # benchmarks/gpu.sh runs it
 
 ``host``: one rank's fp32 shard of ``numel`` elements, one flat tensor (as the engine's
@@ -13,7 +13,10 @@ warm-up step, and each kernel's ratio to DeepSpeedCPUAdam.
 
 ``step``: one process on the CPU (gloo), the median step time of a GPT-2 of ``width`` at
 stage 2 with ``offload="optimizer"`` against DeepSpeed ZeRO-2 with ``offload_optimizer:
-{device: cpu}`` (its DeepSpeedCPUAdam) on the same model and batch, fp32.
+{device: cpu}`` (its DeepSpeedCPUAdam) on the same model and batch, fp32; and the same pair
+without offload, to tell offload's cost from the rest. The four step in turn, in an order
+reversed every round, for ``rounds`` rounds (one run measuring each alone saw the ratio move
+from 1.3 to 2.8 with the load of the machine).
 
 ``gpu``: on one CUDA device, the largest GPT-2 width that trains a step at stage 2 with and
 without ``offload="optimizer"`` (doubling, then stopping at the first OOM), and the step
@@ -160,22 +163,59 @@ def _deepspeed_step_time(width: int, steps: int = 4) -> float:
     return statistics.median(times[1:])
 
 
-def _timed_steps(step, x, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step(x)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+def _phases(fwd, bwd, step) -> tuple[float, float, float, float]:
+    """Wall seconds of forward, backward and step, then the process's CPU seconds of all
+    three (less moved by other jobs on a shared machine than wall time)."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    loss = fwd()
+    t1 = time.perf_counter()
+    bwd(loss)
+    t2 = time.perf_counter()
+    step()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, time.process_time() - c0
 
 
-def cpu_step(width: int, threads: int, steps: int = 6) -> dict[str, Any]:
+def _cpu_contenders(width: int, threads: int, x: torch.Tensor) -> dict[str, tuple]:
+    """(forward, backward, step) of each contender, every one over the same model."""
+    import deepspeed
+
+    import zerostate
+
+    out = {}
+    for offload in ("optimizer", None):
+        torch.manual_seed(0)
+        engine = zerostate.Engine(_gpt2(width), stage=2, offload=offload,
+                                  offload_threads=threads if offload else None)  # fmt: skip
+        name = "zerostate_offload" if offload else "zerostate"
+        out[name] = ((lambda e=engine: e(x, x)), engine.backward, engine.step)
+        torch.manual_seed(0)
+        model = _gpt2(width)
+        zero: dict[str, Any] = {"stage": 2}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}  # its DeepSpeedCPUAdam
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "steps_per_print": 10**9,
+        }
+        ds, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=model.parameters())  # fmt: skip
+        out["deepspeed_offload" if offload else "deepspeed"] = (
+            (lambda e=ds: e(x, x)), ds.backward, ds.step)  # fmt: skip
+    return out
+
+
+def cpu_step(width: int, threads: int, rounds: int = 8) -> dict[str, Any]:
+    """Every contender steps once per round, in an order reversed every round (ABBA), so a
+    change in the machine's load reaches all of them alike; medians over the rounds after a
+    warm-up round, per phase (forward, backward, step) and in all, and of the CPU time."""
     import os
 
     import deepspeed
     import torch.distributed as dist
-
-    import zerostate
 
     torch.set_num_threads(threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -187,34 +227,32 @@ def cpu_step(width: int, threads: int, steps: int = 6) -> dict[str, Any]:
         deepspeed.init_distributed(dist_backend="gloo")
     x = torch.randint(0, 8192, (4, 128))
     torch.manual_seed(0)
-    model = _gpt2(width)
-    numel = sum(p.numel() for p in model.parameters())
-    engine = zerostate.Engine(model, stage=2, offload="optimizer", offload_threads=threads)
-
-    def zs(x):
-        engine.backward(engine(x, x))
-        engine.step()
-
-    out: dict[str, Any] = {"numel": numel, "threads": threads, "width": width}
-    out["zerostate_offload_s"] = _timed_steps(zs, x, steps)
-    engine = model = None  # free the first run before the second is built
-    torch.manual_seed(0)
-    model = _gpt2(width)
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "steps_per_print": 10**9,
-    }
-    ds, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-
-    def dstep(x):
-        ds.backward(ds(x, x))
-        ds.step()
-
-    out["deepspeed_offload_s"] = _timed_steps(dstep, x, steps)
-    out["ratio_zerostate_to_deepspeed"] = out["zerostate_offload_s"] / out["deepspeed_offload_s"]
+    numel = sum(p.numel() for p in _gpt2(width).parameters())
+    contenders = _cpu_contenders(width, threads, x)
+    names = list(contenders)
+    times: dict[str, list[tuple[float, ...]]] = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for name in names if r % 2 == 0 else reversed(names):
+            phases = _phases(*contenders[name])
+            if r:
+                times[name].append(phases)
+    out: dict[str, Any] = {"numel": numel, "threads": threads, "width": width, "rounds": rounds}
+    for name in names:
+        rows = times[name]
+        out[f"{name}_s"] = statistics.median(sum(t[:3]) for t in rows)
+        out[f"{name}_cpu_s"] = statistics.median(t[3] for t in rows)
+        out[f"{name}_phases_s"] = {
+            phase: statistics.median(t[i] for t in rows)
+            for i, phase in enumerate(("forward", "backward", "step"))
+        }
+    out["ratio_zerostate_to_deepspeed_offload"] = (
+        out["zerostate_offload_s"] / out["deepspeed_offload_s"]
+    )
+    out["ratio_zerostate_to_deepspeed"] = out["zerostate_s"] / out["deepspeed_s"]
+    out["cpu_ratio_zerostate_to_deepspeed_offload"] = (
+        out["zerostate_offload_cpu_s"] / out["deepspeed_offload_cpu_s"]
+    )
+    out["cpu_ratio_zerostate_to_deepspeed"] = out["zerostate_cpu_s"] / out["deepspeed_cpu_s"]
     return out
 
 
@@ -246,12 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--numel", type=float, default=58.7e6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=8, help="step: rounds of the four contenders")
     p.add_argument("--out", help="write the result as JSON here too")
     args = p.parse_args(argv)
     if args.what == "host":
         result = host_step(int(args.numel), args.threads, args.reps)
     elif args.what == "step":
-        result = cpu_step(args.width, args.threads)
+        result = cpu_step(args.width, args.threads, args.rounds)
     else:
         result = gpu()
     text = json.dumps(result, indent=2)

@@ -6,7 +6,14 @@ import argparse
 
 from zerostate_cli.common import arg_type, positive_int, print_json
 
-from zerostate.estimate import DEFAULT_K, STAGES, estimate, format_bytes, parse_count
+from zerostate.estimate import (
+    DEFAULT_K,
+    OFFLOAD_STAGES,
+    STAGES,
+    estimate,
+    format_bytes,
+    parse_count,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,32 +40,48 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_K,
         help=f"optimizer bytes per parameter (default {DEFAULT_K}: mixed-precision Adam)",
     )
+    parser.add_argument(
+        "--offload",
+        choices=tuple(OFFLOAD_STAGES),
+        default=None,
+        help="ZeRO-Offload: also split each rank's bytes into device and host (optimizer: "
+        "stages 1-3, optimizer states and the fp32 gradient staging buffer on the host; "
+        "params: stage 3, the parameter shards too)",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    stages = STAGES if args.stage is None else (args.stage,)
-    rows = estimate(args.params, args.dp, stages=stages, k=args.k)
+    stages = None if args.stage is None else (args.stage,)
+    rows = estimate(args.params, args.dp, stages=stages, k=args.k, offload=args.offload)
     if args.json:
         print_json(
             {
                 "params": args.params,
                 "dp": args.dp,
                 "k": args.k,
+                "offload": args.offload,
                 "stages": [row.to_json() for row in rows],
             }
         )
         return 0
+    offload = f", offload={args.offload}" if args.offload else ""
     print(
         f"model-state memory per rank: {args.params:,} parameters, "
-        f"{args.dp} data-parallel ranks, K={args.k:g}"
+        f"{args.dp} data-parallel ranks, K={args.k:g}{offload}"
     )
-    print(f"{'stage':<6} {'partitioned':<42} {'per rank':>12} {'GB (1e9)':>10} {'bytes':>17}")
+    tiers = f" {'device':>12} {'host':>12}" if args.offload else ""
+    print(
+        f"{'stage':<6} {'partitioned':<42} {'per rank':>12} {'GB (1e9)':>10} {'bytes':>17}" + tiers
+    )
     for row in rows:
         total = row.total_bytes
+        split = ""
+        if args.offload:
+            split = f" {format_bytes(row.device_bytes):>12} {format_bytes(row.host_bytes):>12}"
         print(
             f"{row.stage:<6} {row.partitioned:<42} {format_bytes(total):>12} "
-            f"{total / 1e9:>10.1f} {round(total):>17,}"
+            f"{total / 1e9:>10.1f} {round(total):>17,}" + split
         )
     return 0

@@ -16,8 +16,9 @@ One optimizer step (``K = grad_accum_steps``):
    all-reduce of the squared norm and per-parameter gradient flags gives the global norm,
    the overflow verdict and which parameters to step on every rank; the optimizer
    (zerostate.optim) updates the fp32 master shards; the strategy refreshes the working
-   parameters; gradients are zeroed. With ``offload`` the clipped gradient shards go to
-   the host first and the optimizer steps host masters ([Note: offload] in
+   parameters; gradients are zeroed. With ``offload`` the gradient shards went to the host
+   during the last backward, as each group's reduce completed; scaling, the norm, clipping
+   and the optimizer then run on the host masters ([Note: offload] in
    zerostate.runtime.offload).
 """
 
@@ -172,6 +173,18 @@ class _GradReadyHook:
             engine._on_grad_ready(self._index)
 
 
+def _reduced_hook(ref: weakref.ref) -> Any:
+    """The runtime's ``on_reduced`` for an offloading engine, holding it weakly (as
+    :class:`_GradReadyHook` does)."""
+
+    def hook(group: Any) -> None:
+        engine = ref()
+        if engine is not None:
+            engine._on_reduced(group)
+
+    return hook
+
+
 class Engine:
     """ZeRO stage 0-3 data-parallel training of ``model`` with a partitioned optimizer.
 
@@ -278,6 +291,7 @@ class Engine:
                 params_too=config.offload == "params",
                 threads=config.offload_threads,
             )
+            self._runtime.on_reduced = _reduced_hook(weakref.ref(self))
         # Names whose values no initialiser wrote ([Note: unset state], runtime/init.py).
         self._unset: set[str] = set(self._runtime.unset)
         self._optimizer = self._build_optimizer()
@@ -420,15 +434,21 @@ class Engine:
             )
         if self._micro_step < self.config.grad_accum_steps:
             return False
-        grads = [g if g.dtype == torch.float32 else g.float() for g in self._runtime.step_grads()]
+        if self._host is not None:
+            grads = self._host_grads()
+        else:
+            grads = [
+                g if g.dtype == torch.float32 else g.float() for g in self._runtime.step_grads()
+            ]
         divisor = self.world_size * self.config.grad_accum_steps * self._scaler.scale
         torch._foreach_mul_(grads, 1.0 / divisor)
         # One all-reduce gives the global squared norm and, per parameter, how many ranks
         # saw a gradient (a parameter no rank saw is not stepped, as torch skips it).
         squares = sum_of_squares(grads)
         flags = torch.tensor(self._got_grad, dtype=torch.float32, device=squares.device)
-        folded = torch.cat([squares, flags])
+        folded = torch.cat([squares, flags]).to(self.device)
         self._runtime.reduce_norm_and_flags(folded)
+        folded = folded.to(squares.device)  # offload: the grads to clip are on the host
         norm = folded[:1].sqrt()
         stepped = (folded[1:] > 0).tolist()
         self._got_grad = [False] * len(self._trainable)
@@ -441,9 +461,8 @@ class Engine:
             if self._checkpointer is not None:
                 self._checkpointer.before_update()  # an async save may still be reading
             if self._host is not None:
-                host_grads = self._host.grads_to_host(grads)
                 with self._host.step_threads():
-                    self._optimizer.step(host_grads, stepped)
+                    self._optimizer.step(grads, stepped)
             else:
                 self._optimizer.step(grads, stepped)
             self._runtime.refresh()
@@ -453,6 +472,23 @@ class Engine:
         self._stats.end_step()
         self._progress.after_step(self)
         return not overflow
+
+    def _on_reduced(self, group: Any) -> None:
+        # Offload, on the accumulation boundary: this group's gradients leave for the host
+        # while backward goes on ([Note: offload] in zerostate.runtime.offload).
+        positions = self._runtime.positions(group)
+        self._host.copy_group(group.index, positions, group.reduced_grads())
+
+    def _host_grads(self) -> list[torch.Tensor]:
+        """The step's gradient shards on the host, in fp32, as the device path has them
+        before scaling (fp16 sums multiplied back: [Note: reduce precision])."""
+        for group, positions in self._runtime.reduced_groups():
+            if not self._host.copied(group.index):  # its reduce hook did not run
+                self._host.copy_group(group.index, positions, group.reduced_grads())
+        grads = self._host.wait_grads()
+        if self._ctx.predivide != 1.0:
+            torch._foreach_mul_(grads, self._ctx.predivide)
+        return grads
 
     @property
     def loss_scale(self) -> float:

@@ -17,6 +17,14 @@ stage  partitioned                bytes per rank
 The paper's worked example (Psi = 7.5B, N = 64, K = 12) gives 120 GB, 31.4 GB, 16.6 GB
 and 1.9 GB, with GB = 1e9 bytes. Activations, temporary buffers and fragmentation are not
 model states and are not counted.
+
+With offload ([Note: offload] in zerostate.runtime.offload) the same bytes are split into
+two tiers. ``offload="optimizer"`` (stages 1-3): the K * Psi / N of optimizer state lives
+on the host, plus the host staging buffer of the step's fp32 gradient shards, 4 * Psi / N;
+the device keeps the working parameters and the stage's gradients. ``offload="params"``
+(stage 3): the 16-bit parameter shards, 2 * Psi / N, are on the host too. So stage 2 with
+optimizer offload holds 2 * Psi + 2 * Psi / N on each device and (K + 4) * Psi / N on
+its host.
 """
 
 from __future__ import annotations
@@ -29,6 +37,12 @@ from zerostate.errors import ConfigError
 
 #: Bytes of optimizer state per parameter for mixed-precision Adam (fp32 master + 2 moments).
 DEFAULT_K = 12
+
+#: Host bytes per owned parameter of the fp32 gradient shards an offloaded step stages.
+HOST_GRAD_BYTES = 4
+
+#: Stages each offload mode applies to (as EngineConfig checks them).
+OFFLOAD_STAGES = {"optimizer": (1, 2, 3), "params": (3,)}
 
 STAGES = (0, 1, 2, 3)
 
@@ -52,10 +66,25 @@ class StageEstimate:
     params_bytes: float
     grads_bytes: float
     optim_bytes: float
+    offload: str | None = None
+    """``None``, ``"optimizer"`` or ``"params"``: which states live on the host."""
+    host_grads_bytes: float = 0.0
+    """With offload: the host staging buffer of the step's fp32 gradient shards."""
 
     @property
     def total_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optim_bytes
+        return self.params_bytes + self.grads_bytes + self.optim_bytes + self.host_grads_bytes
+
+    @property
+    def host_bytes(self) -> float:
+        if self.offload is None:
+            return 0.0
+        host = self.optim_bytes + self.host_grads_bytes
+        return host + (self.params_bytes if self.offload == "params" else 0.0)
+
+    @property
+    def device_bytes(self) -> float:
+        return self.total_bytes - self.host_bytes
 
     def to_json(self) -> dict:
         total = self.total_bytes
@@ -68,6 +97,10 @@ class StageEstimate:
             "total_bytes": round(total),
             "total_gb": total / 1e9,
             "total_gib": total / 2**30,
+            "offload": self.offload,
+            "host_grads_bytes": round(self.host_grads_bytes),
+            "device_bytes": round(self.device_bytes),
+            "host_bytes": round(self.host_bytes),
         }
 
 
@@ -89,23 +122,55 @@ def parse_count(text: str | int | float) -> int:
     return round(value)
 
 
-def estimate_stage(params: int, dp: int, stage: int, k: float = DEFAULT_K) -> StageEstimate:
-    """Bytes of model states per rank for ``params`` parameters over ``dp`` ranks."""
+def estimate_stage(
+    params: int, dp: int, stage: int, k: float = DEFAULT_K, *, offload: str | None = None
+) -> StageEstimate:
+    """Bytes of model states per rank for ``params`` parameters over ``dp`` ranks, split
+    into device and host tiers by ``offload`` (see the module docstring)."""
     _check(params, dp, k)
     if stage not in STAGES:
         raise ConfigError(f"stage must be one of 0, 1, 2, 3, got {stage!r}")
+    _check_offload(stage, offload)
     # Stage s partitions optimizer states from 1 on, gradients from 2 on, parameters at 3.
     optim = k * params / (dp if stage >= 1 else 1)
     grads = 2 * params / (dp if stage >= 2 else 1)
     weights = 2 * params / (dp if stage >= 3 else 1)
-    return StageEstimate(stage, STAGE_PARTITIONED[stage], weights, grads, optim)
+    staging = HOST_GRAD_BYTES * params / dp if offload is not None else 0.0
+    return StageEstimate(stage, STAGE_PARTITIONED[stage], weights, grads, optim, offload, staging)
+
+
+def offload_stages(offload: str | None) -> tuple[int, ...]:
+    """The stages ``offload`` applies to (every stage without offload)."""
+    if offload is None:
+        return STAGES
+    if offload not in OFFLOAD_STAGES:
+        raise ConfigError(
+            f"offload={offload!r} is not an offload mode; use 'optimizer', 'params' or None"
+        )
+    return OFFLOAD_STAGES[offload]
 
 
 def estimate(
-    params: int, dp: int, *, stages: tuple[int, ...] = STAGES, k: float = DEFAULT_K
+    params: int,
+    dp: int,
+    *,
+    stages: tuple[int, ...] | None = None,
+    k: float = DEFAULT_K,
+    offload: str | None = None,
 ) -> list[StageEstimate]:
-    """One :class:`StageEstimate` per requested stage, in order."""
-    return [estimate_stage(params, dp, s, k) for s in stages]
+    """One :class:`StageEstimate` per requested stage, in order (by default every stage
+    ``offload`` applies to)."""
+    stages = offload_stages(offload) if stages is None else stages
+    return [estimate_stage(params, dp, s, k, offload=offload) for s in stages]
+
+
+def _check_offload(stage: int, offload: str | None) -> None:
+    if stage not in offload_stages(offload):
+        shown = ", ".join(str(s) for s in OFFLOAD_STAGES[offload])
+        raise ConfigError(
+            f"offload={offload!r} applies to stage {shown}, not stage {stage}"
+            + (" (only stage 3 partitions the parameters)" if offload == "params" else "")
+        )
 
 
 def format_bytes(num_bytes: float) -> str:

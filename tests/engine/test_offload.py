@@ -212,3 +212,67 @@ def test_offload_threads_apply_to_the_step_only() -> None:
         assert inside == 1 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def _copy_timing_worker(rank: int, world_size: int) -> dict:
+    from zerostate.runtime.offload import HostTier
+
+    calls: list[tuple[int, bool]] = []
+    original = HostTier.copy_group
+
+    def recording(self, key, positions, grads):
+        calls.append((key, torch._C._current_graph_task_id() != -1))  # inside backward?
+        return original(self, key, positions, grads)
+
+    HostTier.copy_group = recording
+    out = {}
+    for stage in (1, 2, 3):
+        engine = make_engine(
+            make_model(n_layer=4), stage=stage, offload="optimizer", bucket_mb=0.01,
+            grad_accum_steps=2,
+        )  # fmt: skip
+        calls.clear()
+        engine_steps(engine, rank, world_size, 2, accum=2)
+        groups = len(engine._runtime.reduced_groups())
+        out[stage] = (list(calls), groups)
+    return out
+
+
+def test_gradient_copies_start_while_backward_runs() -> None:
+    """Each group's reduced gradients leave for the host from its reduce's completion hook,
+    once per optimizer step (on the accumulation boundary), most of them inside backward."""
+    from zerostate.comm import MAX_IN_FLIGHT
+
+    out = run_distributed(_copy_timing_worker, 2, timeout=300)
+    for rank_out in out:
+        for stage, (calls, groups) in rank_out.items():
+            assert groups >= 5, (stage, groups)  # small buckets, or 4 blocks + root
+            assert len(calls) == 2 * groups, (stage, calls)  # 2 steps, each group once
+            for step_calls in (calls[:groups], calls[groups:]):
+                assert sorted(k for k, _ in step_calls) == sorted({k for k, _ in step_calls})
+                inside = sum(during for _, during in step_calls)
+                # Only the last launches can still be pending when backward returns (at
+                # stage 3 the root's reduce is launched only then, completing one more).
+                assert inside >= groups - MAX_IN_FLIGHT - (stage == 3), (stage, step_calls)
+
+
+def _predivided_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for stage in (1, 2):
+        for offload in (None, "optimizer"):
+            model = make_model()
+            engine = zerostate.Engine(
+                model, stage=stage, offload=offload, optimizer=_optimizer(model, "sgd"),
+                precision="fp16", reduce_dtype="fp16", grad_clip=0.5,
+            )  # fmt: skip
+            assert engine._ctx.predivide == 2.0  # 4 ranks: fp16 sums are kept halved
+            engine_steps(engine, rank, world_size, 3)
+            out[(stage, offload)] = engine.full_state_dict()
+    return out
+
+
+def test_offload_multiplies_back_predivided_fp16_sums_alike() -> None:
+    out = run_distributed(_predivided_worker, 4, timeout=300)[0]
+    for stage in (1, 2):
+        base, got = out[(stage, None)], out[(stage, "optimizer")]
+        assert all(torch.equal(got[n], base[n]) for n in base), stage  # SGD: bitwise

@@ -50,6 +50,7 @@ with each other's weights.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -316,13 +317,17 @@ class ParamGroup:
         self.num_ready += 1
         return self.num_ready == len(self.trainable)
 
-    def launch(self, inflight: InFlight) -> None:
-        """Communicate this micro-step's gradients (once per micro-step)."""
+    def launch(self, inflight: InFlight, on_complete: Callable[[], None] | None = None) -> None:
+        """Communicate this micro-step's gradients (once per micro-step); ``on_complete``
+        runs once this rank's reduced gradients are final ([Note: completion hooks] in
+        zerostate.comm; sharded optimizer states only)."""
         assert not self.launched, self.name
         self.launched = True
         if self.acc is not None:
             if self.policy.shard_optimizer:
-                reduce_scatter_in_place(self.ctx, inflight, self.grad_layout, self.acc)
+                reduce_scatter_in_place(
+                    self.ctx, inflight, self.grad_layout, self.acc, on_complete=on_complete
+                )
             else:
                 all_reduce_flat(self.ctx, inflight, self.acc)
             return
@@ -330,7 +335,13 @@ class ParamGroup:
         for p in self.trainable:
             p.param.grad = None  # the full gradient is consumed; only the shard stays
         reduce_scatter_grads(
-            self.ctx, inflight, self.grad_layout, grads, self._shard(), accumulate=not self.fresh
+            self.ctx,
+            inflight,
+            self.grad_layout,
+            grads,
+            self._shard(),
+            accumulate=not self.fresh,
+            on_complete=on_complete,
         )
         self.fresh = False
 
@@ -348,17 +359,21 @@ class ParamGroup:
         master (full at stage 0, the owned range otherwise)."""
         if not self.trainable:
             return []
-        if self.acc is not None:
-            if not self.policy.shard_optimizer:
-                return [self._flat_view(i) for i in range(len(self.trainable))]
-            views = self.grad_layout.shard_views(self.grad_layout.segment(self.acc))
-        else:
-            if self.fresh:  # nothing was reduced this step
-                self._shard().zero_()
-            views = self.grad_layout.shard_views(self.grad_shard)
+        if self.acc is not None and not self.policy.shard_optimizer:
+            return [self._flat_view(i) for i in range(len(self.trainable))]
+        views = self.reduced_grads()
         if self.ctx.predivide != 1.0:  # fp16 sums are kept pre-divided (no fp16 overflow)
             return [v.float().mul_(self.ctx.predivide) for v in views]
         return views
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """The owned range of every trainable parameter's summed gradient as the reduce left
+        it: in the reduce dtype, fp16 sums pre-divided (sharded optimizer states only)."""
+        if self.acc is not None:
+            return self.grad_layout.shard_views(self.grad_layout.segment(self.acc))
+        if self.fresh:  # nothing was reduced this step
+            self._shard().zero_()
+        return self.grad_layout.shard_views(self.grad_shard)
 
     def zero(self) -> None:
         """Forget the gradients of the step just taken."""

@@ -5,11 +5,16 @@ With ``offload="optimizer"`` every fp32 master a rank holds (the owned range of 
 parameter) and every optimizer state tensor built over it live in host memory, pinned
 when an accelerator exists. Per optimizer step:
 
-1. Gradients are reduced on the device as without offload; the step's gradient shards are
-   scaled, their global norm reduced and clipped there (the same arithmetic, so clipping
-   and fp16 overflow checks agree across ranks as before).
-2. Each shard is copied device -> host (non-blocking, into one flat host buffer
-   ``host_grads`` of the rank's trainable master elements), then the copies are waited for.
+1. Gradients are reduced on the device as without offload. On the accumulation boundary,
+   as soon as a group's reduce is complete ([Note: completion hooks] in zerostate.comm)
+   its gradient shards are copied device -> host, into one flat host buffer ``host_grads``
+   of the rank's trainable master elements, while backward goes on with later groups: on
+   an accelerator the copies run on a side stream (``torch.Stream``) after the reduce, one
+   ``torch.Event`` per group; on a CPU-only run they are plain copies in the hook.
+2. ``step()`` waits for those events (a group whose hook did not run is copied then), and
+   scales the host shards, reduces their global norm and clips them on the host with the
+   same operations, in the same order, as the device path does without offload (so clipping
+   and fp16 overflow checks agree across ranks, and with the device path, as before).
 3. The optimizer steps the host masters, with ``offload_threads`` torch threads.
 4. The updated masters go host -> device: at stages 1-2 into the owned slice of each working
    parameter, from which the usual all-gather refresh rebuilds the full parameters; at
@@ -61,6 +66,11 @@ def to_host(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return out
 
 
+def copy_stream(device: torch.device) -> torch.Stream | None:
+    """A side stream for device -> host copies; None on the CPU (the copies are plain)."""
+    return torch.Stream(device=device) if device.type != "cpu" else None
+
+
 def wait_copies(device: torch.device) -> None:
     """Wait for non-blocking device <-> host copies issued so far on ``device``."""
     if device.type != "cpu":
@@ -95,6 +105,9 @@ class HostTier:
             n = sp.master.numel()
             self._views.append(self.host_grads[offset : offset + n].view_as(sp.master))
             offset += n
+        self._stream = copy_stream(device)
+        self._events: list[torch.Event] = []
+        self._copied: set[int] = set()  # keys of the groups copied since the last step
 
     def _place(self, sp: ShardedParam) -> None:
         if self.params_too:
@@ -108,12 +121,31 @@ class HostTier:
         sp.master = to_host(sp.master)
         sp.master_aliased = False
 
-    def grads_to_host(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copy the step's gradient shards (index-aligned with ``trainable``) to the host."""
-        pairs = [(v, g) for v, g in zip(self._views, grads, strict=True) if v.numel()]
-        for view, grad in pairs:
-            view.copy_(grad.view_as(view), non_blocking=True)
-        wait_copies(self.device)
+    def copy_group(self, key: int, positions: list[int], grads: list[torch.Tensor]) -> None:
+        """Start the device -> host copy of one group's reduced gradient shards:
+        ``grads[i]`` is the shard of ``trainable[positions[i]]`` (any float dtype; the host
+        keeps fp32). Ordered after the work issued so far on the device."""
+        pairs = [(self._views[i], g) for i, g in zip(positions, grads, strict=True) if g.numel()]
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with stream if stream is not None else contextlib.nullcontext():
+            for view, grad in pairs:
+                view.copy_(grad.view_as(view), non_blocking=True)
+        if stream is not None:
+            self._events.append(stream.record_event())
+        self._copied.add(key)
+
+    def copied(self, key: int) -> bool:
+        return key in self._copied
+
+    def wait_grads(self) -> list[torch.Tensor]:
+        """The step's host gradient shards, index-aligned with ``trainable``, once every
+        copy started by :meth:`copy_group` has landed."""
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
+        self._copied.clear()
         return self._views
 
     @contextlib.contextmanager

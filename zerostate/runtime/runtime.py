@@ -40,8 +40,9 @@ which catches a rank that skipped trailing units.
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -102,6 +103,11 @@ class GroupRuntime:
         self._inflight = InFlight()
         self._next = 0
         self._communicate = False
+        self._boundary = False
+        #: Called with each group once its reduced gradients of an accumulation boundary
+        #: are final, while backward continues ([Note: completion hooks] in zerostate.comm).
+        self.on_reduced: Callable[[ParamGroup], None] | None = None
+        self._indices: dict[int, list[int]] = {}  # per group: its trainables' positions
         #: Names of tensors no initialiser wrote ([Note: unset state] in runtime.init).
         self.unset: list[str] = []
         # Partitioned parameters only:
@@ -148,6 +154,19 @@ class GroupRuntime:
         self._reduce_order = [g for g in self._reduce_order if g.trainable]
         where = {id(sp): (g, i) for g in self.groups for i, sp in enumerate(g.trainable)}
         self._slot = [where[id(sp)] for sp in self.trainable]
+        for group in self.groups:
+            self._indices[group.index] = [0] * len(group.trainable)
+        for position, (group, i) in enumerate(self._slot):
+            self._indices[group.index][i] = position
+
+    def reduced_groups(self) -> list[tuple[ParamGroup, list[int]]]:
+        """Every group with trainable parameters and, index-aligned with
+        ``group.trainable``, their positions in :attr:`trainable`."""
+        return [(g, self._indices[g.index]) for g in self._reduce_order]
+
+    def positions(self, group: ParamGroup) -> list[int]:
+        """Where ``group.trainable[i]`` is in :attr:`trainable`, for every ``i``."""
+        return self._indices[group.index]
 
     def _group(self, name: str, members: list[ShardedParam]) -> ParamGroup:
         group = ParamGroup(len(self.groups), name, members, self.policy, self.ctx)
@@ -363,6 +382,7 @@ class GroupRuntime:
 
     def prepare(self, *, boundary: bool) -> None:
         self._communicate = boundary or self.policy.shard_grads
+        self._boundary = boundary
         self._next = 0
         for group in self.groups:
             group.prepare(communicate=self._communicate)
@@ -386,8 +406,14 @@ class GroupRuntime:
             return
         order = self._reduce_order
         while self._next < len(order) and order[self._next].ready:
-            order[self._next].launch(self._inflight)
+            self._launch(order[self._next])
             self._next += 1
+
+    def _launch(self, group: ParamGroup) -> None:
+        hook = None
+        if self._boundary and self.on_reduced is not None:
+            hook = functools.partial(self.on_reduced, group)
+        group.launch(self._inflight, hook)
 
     def finish_backward(self) -> None:
         """After backward: launch what is left (zeros for gradients that never came), wait
@@ -395,7 +421,7 @@ class GroupRuntime:
         if self._communicate:
             for group in self._reduce_order[self._next :]:
                 if not group.launched:
-                    group.launch(self._inflight)
+                    self._launch(group)
             self._next = len(self._reduce_order)
         self._inflight.drain()
         self.release_all()
