@@ -842,6 +842,9 @@ def _regroup(engine: Any, optimizer: dict, url: str) -> None:
     hyper = optimizer.get("param_groups")
     if theirs == mine or not isinstance(theirs, list) or not isinstance(hyper, list):
         return
+    if not theirs and not optimizer.get("state"):  # a model state dict alone: fresh optimizer
+        optimizer["group_params"], optimizer["param_groups"] = mine, [{} for _ in mine]
+        return
     where = {n: i for i, members in enumerate(theirs) for n in members}
     regrouped = []
     for members in mine:

@@ -62,3 +62,24 @@ class TestDcp(StepReaderTests):
     @pytest.fixture
     def case(self, peer_checkpoints) -> StepCase:
         return _peer_case(peer_checkpoints, "dcp-2")
+
+
+from tests.foreign.test_dcp_safetensors import safetensors_checkpoints  # noqa: E402, F401
+
+
+def _safetensors_case(checkpoints, name: str) -> StepCase:
+    path, saved, _ = checkpoints.get(name)
+    ckpt = open_source(str(path))
+    return StepCase(ckpt, ckpt.step(), {f"model/{k}": v for k, v in saved["model"].items()})
+
+
+class TestDcpSafetensorsItems(StepReaderTests):
+    @pytest.fixture
+    def case(self, safetensors_checkpoints) -> StepCase:  # noqa: F811
+        return _safetensors_case(safetensors_checkpoints, "distcp-fsdp2-2")
+
+
+class TestDcpHuggingFaceWriter(StepReaderTests):
+    @pytest.fixture
+    def case(self, safetensors_checkpoints) -> StepCase:  # noqa: F811
+        return _safetensors_case(safetensors_checkpoints, "hf-fsdp2-2")

@@ -6,6 +6,8 @@ path in the nested state dict) and ``__<rank>_<n>.distcp`` files of ``torch.save
 at byte offsets. ``.metadata`` goes through the restricted unpickler with the DCP metadata
 stand-ins only; every item through the torch one. Items are read by byte range.
 
+Two safetensors item formats are read as well (see [Note: DCP safetensors]).
+
 Names (see [Note: DCP names]) follow what ``get_state_dict`` and torchtitan write: a
 ``{"model": ..., "optimizer": ...}`` dict, a bare model state dict, and the optimizer
 layouts keyed by parameter FQN (nested ``state`` / ``param_groups``, or torchtitan's
@@ -17,11 +19,29 @@ not tell parameters from buffers, so buffers are ``model/<name>`` too (an export
 both alike; a load looks a buffer up there). Optimizer state ``state.<fqn>.<key>``
 becomes ``optim/<key>/<fqn>`` when it has the parameter's shape and a scalar (``step``)
 otherwise; ``param_groups`` give the group hyperparameters and membership.
+
+[Note: DCP safetensors]
+torch writes DCP tensors as safetensors two ways. ``FileSystemWriter(serialization_format=
+SAFETENSORS)`` keeps ``.metadata`` and the ``.distcp`` files, but each file holds its byte
+items (``torch.save`` objects, as usual) followed by one safetensors blob of all its tensor
+chunks, keyed by the flattened key; every tensor's ``_StorageInfo`` points at the start of
+that blob. ``HuggingFaceStorageWriter`` writes no pickle at all: ``model-<i>-of-<n>
+.safetensors`` (with a ``model.safetensors.index.json``) from a full state dict, or with
+``save_distributed`` one ``shard-<rank>-model-<i>-of-<n>.safetensors`` per rank, whose header
+metadata ``DCP_SHARDING_INFO`` (JSON) gives each chunk's ``saved_offsets`` in the full
+tensor; the full shape is the largest offset plus size, as torch's reader computes it.
+Both are read from the safetensors header (JSON: dtype, shape, data offsets), checked to
+tile the data exactly and to lie inside the file. safetensors has no checksum: ``verify``
+reads every byte, re-reads each header and checks it is unchanged, and checks every size
+and offset against the file; a flipped byte inside tensor data is not detectable.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +53,7 @@ from zerostate.store.foreign.base import (
     Segment,
     foreign_engine_state,
 )
-from zerostate.store.foreign.detect import DCP_METADATA
+from zerostate.store.foreign.detect import DCP_METADATA, HF_FILE, HF_SHARD_FILE
 from zerostate.store.format import validate_name
 from zerostate.store.safe_unpickle import (
     DCP_GLOBALS,
@@ -50,6 +70,24 @@ from zerostate.store.storage import Storage
 METADATA = DCP_METADATA
 METADATA_ALLOWED = {**TORCH_GLOBALS, **DCP_GLOBALS}
 _RANK_FILE = re.compile(r"__(\d{1,6})_\d{1,6}\.distcp")
+#: Largest safetensors header read into memory.
+MAX_HEADER_NBYTES = 100 << 20
+#: safetensors dtype names (those torch's DCP writers can write).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
 class DcpCheckpoint:
@@ -67,7 +105,10 @@ class DcpCheckpoint:
 
     def _open(self) -> DcpStep:
         if self._step is None:
-            self._step = open_dcp(self._storage, self._num_threads)
+            if self._storage.exists(METADATA):
+                self._step = open_dcp(self._storage, self._num_threads)
+            else:
+                self._step = open_hf_safetensors(self._storage, self._num_threads)
         return self._step
 
     def steps(self) -> list[int]:
@@ -148,17 +189,21 @@ def open_dcp(storage: Storage, num_threads: int = 8) -> DcpStep:
         offset = idx.get("offset")
         key = (str(idx.get("fqn")), tuple(offset) if isinstance(offset, tuple | list) else ())
         locations[key] = loc
-    archives: dict[tuple[str, int], TorchArchive] = {}
+    archives: dict[tuple[str, int], TorchArchive | SafetensorsBlob] = {}
 
-    def item(fqn: str, offset: tuple[int, ...]) -> TorchArchive:
+    def item(fqn: str, offset: tuple[int, ...]) -> TorchArchive | SafetensorsBlob:
         loc = locations.get((fqn, offset))
         if loc is None:
             raise CorruptCheckpointError(f"{where}: no stored item for {fqn!r} at {offset}")
-        key = (loc["relative_path"], loc["offset"])
+        path, base = loc["relative_path"], loc["offset"]
+        key = (path, base)
         if key not in archives:
-            archives[key] = TorchArchive(
-                storage, loc["relative_path"], TORCH_GLOBALS, base=loc["offset"], size=loc["length"]
-            )
+            if _is_safetensors(storage, path, base):  # the blob of a file's tensor items
+                archives[key] = SafetensorsBlob(storage, path, base)
+            else:
+                archives[key] = TorchArchive(
+                    storage, path, TORCH_GLOBALS, base=base, size=loc["length"]
+                )
         return archives[key]
 
     builder = _Names()
@@ -168,7 +213,10 @@ def open_dcp(storage: Storage, num_threads: int = 8) -> DcpStep:
         path = planner.get(fqn, (fqn,))
         path = tuple(str(p) for p in path) if isinstance(path, tuple | list) else (fqn,)
         if isinstance(entry, Record) and entry.kind == "BytesStorageMetadata":
-            value = item(fqn, ()).load()
+            archive = item(fqn, ())
+            if not isinstance(archive, TorchArchive):
+                raise CorruptCheckpointError(f"{where}: object {fqn!r} is not a torch.save item")
+            value = archive.load()
             builder.add_object(path, value)
             continue
         fields = _fields(entry, "TensorStorageMetadata", where)
@@ -179,7 +227,10 @@ def open_dcp(storage: Storage, num_threads: int = 8) -> DcpStep:
             c = _fields(chunk, "ChunkStorageMetadata", where)
             offsets, sizes = _ints(c.get("offsets"), where), _ints(c.get("sizes"), where)
             archive = item(fqn, offsets)
-            stored = archive.load()
+            if isinstance(archive, SafetensorsBlob):
+                stored = archive.chunk(fqn, offsets)
+            else:
+                stored = archive.load()
             if not isinstance(stored, StoredTensor) or stored.shape != sizes:
                 raise CorruptCheckpointError(f"{archive.url}: not the {sizes} chunk of {fqn!r}")
             segments += _chunk_segments(shape, offsets, sizes, archive, stored, where)
@@ -348,3 +399,194 @@ def _read_whole(step: ForeignStep, tensor: ForeignTensor) -> torch.Tensor:
         dest = flat[seg.dst : seg.dst + seg.numel]
         dest.copy_(seg.archive.read(seg.tensor, seg.src, seg.src + seg.numel))
     return out
+
+
+# ------------------------------------------------------------------ safetensors items
+def _is_safetensors(storage: Storage, path: str, base: int) -> bool:
+    """Whether the item at ``base`` is a safetensors blob (an 8-byte header length, then
+    the JSON header) rather than a ``torch.save`` zip."""
+    head = memoryview(bytearray(9))
+    got = storage.read_range_into(path, base, [head])
+    return got == 9 and bytes(head[:4]) != b"PK\x03\x04" and head[8] == ord("{")
+
+
+class SafetensorsBlob:
+    """One safetensors blob (a whole file, or the tensor items of a DCP file at ``base``):
+    its JSON header validated once, its tensors read by byte range (see [Note: DCP
+    safetensors])."""
+
+    def __init__(self, storage: Storage, path: str, base: int = 0) -> None:
+        self._storage, self._path, self._base = storage, path, base
+        self.url = storage.url_of(path) + (f" (bytes from {base})" if base else "")
+        self._file_size = object_size(storage, path)
+        self._header = self._read_header()
+        self.tensors, self._starts, self.metadata, self._nbytes = self._parse(self._header)
+
+    def _read_header(self) -> bytes:
+        head = memoryview(bytearray(8))
+        if self._storage.read_range_into(self._path, self._base, [head]) != 8:
+            raise CorruptCheckpointError(f"{self.url}: too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_NBYTES or self._base + 8 + n > self._file_size:
+            raise CorruptCheckpointError(
+                f"{self.url}: safetensors header length {n} runs past the end of the file"
+            )
+        raw = memoryview(bytearray(n))
+        if self._storage.read_range_into(self._path, self._base + 8, [raw]) != n:
+            raise CorruptCheckpointError(f"{self.url}: the safetensors header ends early")
+        return bytes(raw)
+
+    def _parse(self, raw: bytes) -> tuple[dict[str, StoredTensor], dict[str, int], dict, int]:
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CorruptCheckpointError(
+                f"{self.url}: the safetensors header is not JSON ({exc})"
+            ) from None
+        if not isinstance(header, dict):
+            raise CorruptCheckpointError(f"{self.url}: the safetensors header is not an object")
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise CorruptCheckpointError(f"{self.url}: malformed safetensors __metadata__")
+        tensors, starts, spans = {}, {}, []
+        for name, e in header.items():
+            if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+                raise CorruptCheckpointError(f"{self.url}: malformed entry for {name!r:.80}")
+            dtype = SAFETENSORS_DTYPES.get(e["dtype"]) if isinstance(e["dtype"], str) else None
+            if dtype is None:
+                raise CorruptCheckpointError(
+                    f"{self.url}: tensor {name!r:.80} has dtype {e['dtype']!r:.40}, "
+                    "which zerostate does not know"
+                )
+            shape = _ints(e["shape"], self.url)
+            offsets = _ints(e["data_offsets"], self.url)
+            numel = 1
+            for d in shape:
+                numel *= d
+            if len(offsets) != 2 or offsets[1] - offsets[0] != numel * dtype.itemsize:
+                raise CorruptCheckpointError(
+                    f"{self.url}: tensor {name!r:.80} data_offsets {list(offsets)} do not hold "
+                    f"its {list(shape)} {e['dtype']} elements"
+                )
+            tensors[name] = StoredTensor(name, dtype, numel, 0, shape)
+            starts[name] = offsets[0]
+            spans.append((offsets[0], offsets[1], name))
+        at = 0
+        for lo, hi, name in sorted(spans):
+            if lo != at:
+                raise CorruptCheckpointError(
+                    f"{self.url}: tensor {name!r:.80} starts at {lo}, expected {at}: the data "
+                    "has gaps or overlaps"
+                )
+            at = hi
+        end = self._base + 8 + len(raw) + at
+        if end > self._file_size:
+            raise CorruptCheckpointError(
+                f"{self.url}: tensor data runs to byte {end}, past the end of the file "
+                f"({self._file_size} bytes)"
+            )
+        return tensors, starts, meta, at
+
+    def sharding(self) -> dict[str, tuple[int, ...]]:
+        """``saved_offsets`` of each tensor from ``DCP_SHARDING_INFO`` (empty without)."""
+        text = self.metadata.get(SHARDING_KEY)
+        if text is None:
+            return {}
+        try:
+            info = json.loads(text)
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError(f"{self.url}: malformed {SHARDING_KEY}")
+        out = {}
+        for name, entry in info.items():
+            if not isinstance(entry, dict):
+                raise CorruptCheckpointError(f"{self.url}: malformed {SHARDING_KEY}")
+            out[name] = _ints(entry.get("saved_offsets"), self.url)
+        return out
+
+    def chunk(self, fqn: str, offsets: tuple[int, ...]) -> StoredTensor:
+        """The tensor stored for the DCP chunk of ``fqn`` at ``offsets``."""
+        stored = self.tensors.get(fqn)
+        saved = self.sharding().get(fqn)
+        if stored is None or (saved is not None and saved != offsets):
+            raise CorruptCheckpointError(f"{self.url}: no chunk of {fqn!r} at {list(offsets)}")
+        return stored
+
+    def read(
+        self, tensor: StoredTensor, start: int = 0, stop: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        stop = tensor.numel if stop is None else stop
+        if not 0 <= start <= stop <= tensor.numel or self.tensors.get(tensor.key) != tensor:
+            raise CorruptCheckpointError(f"{self.url}: range [{start}, {stop}) out of bounds")
+        if out is None:
+            out = torch.empty(stop - start, dtype=tensor.dtype)
+        if stop == start:
+            return out
+        size = tensor.dtype.itemsize
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        at = self._base + 8 + len(self._header) + self._starts[tensor.key] + start * size
+        if self._storage.read_range_into(self._path, at, [view]) != view.nbytes:
+            raise CorruptCheckpointError(f"{self.url}: tensor {tensor.key!r} ends early")
+        return out
+
+    def verify(self, progress: Callable[[int], Any] | None = None) -> int:
+        """Re-read the header (it must be unchanged and still valid) and every data byte;
+        safetensors has no checksum, so damage inside tensor data goes unseen."""
+        self._file_size = object_size(self._storage, self._path)
+        header = self._read_header()
+        if header != self._header:
+            raise CorruptCheckpointError(f"{self.url}: the safetensors header changed")
+        self._parse(header)
+        start, total = self._base + 8 + len(header), 8 + len(header)
+        block = 16 << 20
+        for at in range(0, self._nbytes, block):
+            n = min(block, self._nbytes - at)
+            buf = memoryview(bytearray(n))
+            if self._storage.read_range_into(self._path, start + at, [buf]) != n:
+                raise CorruptCheckpointError(f"{self.url}: the tensor data ends early")
+            total += n
+            if progress is not None:
+                progress(n)
+        return total
+
+
+def open_hf_safetensors(storage: Storage, num_threads: int = 8) -> DcpStep:
+    """A directory of ``HuggingFaceStorageWriter`` files (see [Note: DCP safetensors]):
+    the per-rank ``shard-*`` files if there are any, else the ``model-*`` files."""
+    names = storage.list_dir("")
+    files = sorted(n for n in names if HF_SHARD_FILE.fullmatch(n))
+    world_size = len(files)
+    if not files:
+        files = sorted(n for n in names if HF_FILE.fullmatch(n))
+        world_size = 1
+    if not files:
+        raise CheckpointNotFoundError(
+            f"{storage.url} has no {METADATA} and no DCP safetensors files: not a DCP checkpoint"
+        )
+    chunks: dict[str, list[tuple[tuple[int, ...], SafetensorsBlob, StoredTensor]]] = {}
+    blobs = [SafetensorsBlob(storage, f) for f in files]
+    for blob in blobs:
+        saved = blob.sharding()
+        for name, stored in blob.tensors.items():
+            validate_name(f"model/{name}", what="DCP tensor name")
+            offsets = saved.get(name, (0,) * len(stored.shape))
+            if len(offsets) != len(stored.shape):
+                raise CorruptCheckpointError(
+                    f"{blob.url}: saved_offsets of {name!r} do not match its shape"
+                )
+            chunks.setdefault(name, []).append((offsets, blob, stored))
+    builder = _Names()
+    for name, parts in chunks.items():
+        dtypes = {stored.dtype for _, _, stored in parts}
+        if len(dtypes) != 1:
+            raise CorruptCheckpointError(f"{storage.url}: the chunks of {name!r} differ in dtype")
+        shape = tuple(
+            max(o[i] + st.shape[i] for o, _, st in parts) for i in range(len(parts[0][0]))
+        )
+        segments = []
+        for offsets, blob, stored in parts:
+            segments += _chunk_segments(shape, offsets, stored.shape, blob, stored, blob.url)
+        builder.add_tensor((name,), ForeignTensor(name, shape, dtypes.pop(), tuple(segments)))
+    return builder.build(storage.url, max(world_size, 1), blobs, num_threads)

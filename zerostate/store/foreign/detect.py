@@ -9,13 +9,19 @@ from zerostate.store.storage import Storage
 
 #: DCP's metadata document; its presence makes a directory a DCP checkpoint.
 DCP_METADATA = ".metadata"
+#: torch's HuggingFaceStorageWriter files (DCP in safetensors, no ``.metadata``).
+HF_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+HF_SHARD_FILE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
 #: DeepSpeed's tag directories and per-rank optimizer files.
 STEP_TAG = re.compile(r"global_step(\d{1,12})")
 OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d{1,6})_mp_rank_00_optim_states\.pt")
 
 
 def is_dcp(storage: Storage) -> bool:
-    return storage.exists(DCP_METADATA)
+    """A DCP ``.metadata``, or the safetensors files of torch's ``HuggingFaceStorageWriter``."""
+    if storage.exists(DCP_METADATA):
+        return True
+    return any(HF_FILE.fullmatch(n) or HF_SHARD_FILE.fullmatch(n) for n in storage.list_dir(""))
 
 
 def is_deepspeed(storage: Storage) -> bool:

@@ -1,0 +1,208 @@
+"""DCP checkpoints whose tensor items are safetensors, written by torch's own writers
+(``FileSystemWriter(serialization_format=SAFETENSORS)`` and ``HuggingFaceStorageWriter``),
+read by every command and by ``engine.load``; hostile headers are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.foreign.conftest import run_cli
+from tests.foreign.peers_safetensors import CASES, SafetensorsCheckpoints, zerostate_load
+from tests.helpers_dist import run_distributed
+from zerostate.store.sources import open_source
+
+ALL = [c[0] for c in CASES]
+
+
+@pytest.fixture(scope="session")
+def safetensors_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> SafetensorsCheckpoints:
+    return SafetensorsCheckpoints(tmp_path_factory.mktemp("dcp-safetensors"))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_consolidate_gives_the_saved_tensors(safetensors_checkpoints, tmp_path, name):
+    path, saved, _ = safetensors_checkpoints.get(name)
+    out = tmp_path / "model.safetensors"
+    result = run_cli("consolidate", str(path), str(out))
+    assert result.returncode == 0, result.stderr
+    mine = load_file(out)
+    assert set(mine) == set(saved["model"])
+    for key, tensor in saved["model"].items():
+        assert mine[key].dtype == tensor.dtype and torch.equal(mine[key], tensor), key
+
+
+def test_consolidate_equals_torchs_own_consolidation(safetensors_checkpoints, tmp_path):
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+        consolidate_safetensors_files,
+    )
+
+    path, saved, _ = safetensors_checkpoints.get("hf-fsdp2-2")
+    theirs = tmp_path / "torch"
+    theirs.mkdir()
+    consolidate_safetensors_files(str(path), str(theirs), dict.fromkeys(saved["model"], 1))
+    ref = load_file(theirs / "model-00001-of-00001.safetensors")
+    out = tmp_path / "mine.safetensors"
+    assert run_cli("consolidate", str(path), str(out)).returncode == 0
+    mine = load_file(out)
+    assert set(mine) == set(ref)
+    for key, tensor in ref.items():
+        assert torch.equal(mine[key], tensor), key
+
+
+@pytest.mark.parametrize("name", ["distcp-fsdp2-2", "hf-fsdp2-2"])
+def test_inspect_verify_reshard(safetensors_checkpoints, tmp_path, name):
+    path, _, world = safetensors_checkpoints.get(name)
+    shown = run_cli("inspect", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert f"world size {world}" in shown.stdout and "model/body.weight" in shown.stdout
+    if name.startswith("distcp"):  # the optimizer state is there too
+        assert "optim/exp_avg_sq/out.bias" in shown.stdout
+    assert run_cli("verify", str(path)).returncode == 0
+    out = tmp_path / "resharded"
+    done = run_cli("reshard", str(path), str(out), "--world-size", "3")
+    assert done.returncode == 0, done.stderr
+    src, dst = open_source(str(path)).step(), open_source(str(out)).step()
+    assert dst.format_version == 2 and dst.world_size == 3
+    assert set(dst.tensors) == set(src.tensors)
+    for key in src.tensors:
+        assert torch.equal(dst.read(key), src.read(key)), key
+
+
+def _largest(root: Path) -> Path:
+    return max(
+        (p for p in root.iterdir() if p.suffix in (".distcp", ".safetensors")),
+        key=lambda p: p.stat().st_size,
+    )
+
+
+def _header_start(data: bytes) -> int:
+    """Where the safetensors blob starts in a file (after any DCP byte items)."""
+    return data.index(b'{"__metadata__"') - 8
+
+
+@pytest.mark.parametrize("name", ["distcp-fsdp2-2", "hf-fsdp2-2"])
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_verify_finds_header_and_size_damage(safetensors_checkpoints, tmp_path, name, damage):
+    """safetensors has no checksum: verify re-reads every header and every byte and
+    checks sizes and offsets against the file, so a changed header or a short file is
+    found (a flipped byte inside tensor data cannot be)."""
+    path, _, _ = safetensors_checkpoints.get(name)
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    victim = _largest(copy)
+    data = bytearray(victim.read_bytes())
+    assert run_cli("verify", str(copy)).returncode == 0
+    if damage == "header":
+        at = data.index(b'"data_offsets":[', _header_start(data)) + len('"data_offsets":[')
+        data[at] = ord("9") if data[at] != ord("9") else ord("8")
+    else:
+        del data[-3:]
+    # The damage happens after the step is opened, as a disk fault would.
+    st = open_source(str(copy)).step()
+    victim.write_bytes(bytes(data))
+    with pytest.raises(Exception, match=victim.name):
+        st.verify()
+    result = run_cli("verify", str(copy))
+    assert result.returncode == 1 and victim.name in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "stage"),
+    [
+        ("distcp-fsdp2-2", 1, 3),
+        ("distcp-fsdp2-2", 3, 2),
+        ("hf-fsdp2-2", 1, 2),
+        ("distcp-bare-1", 2, 3),
+        ("hf-bare-1", 2, 1),
+    ],
+)
+def test_engine_load_at_another_world_size(safetensors_checkpoints, name, world, stage):
+    path, saved, _ = safetensors_checkpoints.get(name)
+    mine = run_distributed(zerostate_load, world, str(path), stage, timeout=300)[0]
+    for key, tensor in saved["model"].items():
+        if key in mine["model"]:
+            assert torch.equal(mine["model"][key], tensor.float()), key
+    params = {k for k in saved["model"] if k != "scale"}
+    assert params <= set(mine["model"])
+    assert torch.equal(mine["model"]["emb.weight"], saved["model"]["emb.weight"])
+    # The optimizer's step count, where the writer saved the optimizer; a model state dict
+    # alone starts a fresh optimizer.
+    assert mine["steps"] == (2 if name == "distcp-fsdp2-2" else 0)
+
+
+# ------------------------------------------------------------------ hostile headers
+def _write_safetensors(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _good_header() -> dict:
+    return {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+
+HOSTILE = {
+    "offset past the end": (
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+        "past the end",
+    ),
+    "name with ..": (
+        {"../../etc/w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+        "unsafe",
+    ),
+    "unknown dtype": (
+        {"w": {"dtype": "X99", "shape": [2], "data_offsets": [0, 8]}},
+        "does not know",
+    ),
+    "offsets not the shape": (
+        {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+        "do not hold",
+    ),
+    "overlapping tensors": (
+        {
+            "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "v": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+        },
+        "gaps or overlaps",
+    ),
+    "header length past the end": (None, "header length"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+@pytest.mark.parametrize("command", ["inspect", "verify", "consolidate"])
+def test_hostile_headers_are_refused_in_one_line(tmp_path, case, command):
+    header, expected = HOSTILE[case]
+    root = tmp_path / "hf"
+    root.mkdir()
+    victim = root / "model-00001-of-00001.safetensors"
+    if header is None:
+        victim.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    else:
+        _write_safetensors(victim, header, bytes(8))
+    argv = [command, str(root)] + (
+        [str(tmp_path / "out.safetensors")] if command == "consolidate" else []
+    )
+    result = run_cli(*argv)
+    assert result.returncode == 1
+    assert expected in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_good_handmade_file_is_read(tmp_path):
+    """The hostile cases above differ from a readable file only in what they break."""
+    root = tmp_path / "hf"
+    root.mkdir()
+    _write_safetensors(
+        root / "model-00001-of-00001.safetensors",
+        _good_header(),
+        struct.pack("<2f", 1.5, -2.0),
+    )
+    st = open_source(str(root)).step()
+    assert st.read("model/w").tolist() == [1.5, -2.0]
