@@ -336,7 +336,8 @@ def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: floa
         verdict = _await_verdict(store, keys, prefix, world_size, timeout_s)
         calls = [c.decode() for c in store.multi_get(keys)] if verdict == "ok" else []
         _forget(store, f"{base}/{seq - 2}", rank)
-        _leave(store, prefix, rank, world_size, timeout_s)
+        if verdict == "ok":  # a missing rank may never come: rank 0 must not wait for it
+            _leave(store, prefix, rank, world_size, timeout_s)
     except NotImplementedError:
         return  # a store without compare_set: the collectives themselves will have to do
     except _NETWORK_ERROR as exc:

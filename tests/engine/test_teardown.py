@@ -53,7 +53,12 @@ groups = [weakref.ref(dist.group.WORLD)] + ([weakref.ref(group)] if group is not
 del engine, group
 gc.collect()  # the first optimizer's lazy torch._dynamo import leaves a frame cycle
 dist.destroy_process_group()
-print("groups alive:", sum(g() is not None for g in groups), "threads left:", threads() - before)
+import time
+deadline = time.monotonic() + 10  # a finished thread may take a moment to leave, under load
+while threads() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+names = sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+print("groups alive:", sum(g() is not None for g in groups), "threads left:", threads() - before, names)
 """
 
 
