@@ -57,8 +57,10 @@ import time
 deadline = time.monotonic() + 10  # a finished thread may take a moment to leave, under load
 while threads() > before and time.monotonic() < deadline:
     time.sleep(0.05)
-names = sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-print("groups alive:", sum(g() is not None for g in groups), "threads left:", threads() - before, names)
+tasks = os.listdir("/proc/self/task")
+names = sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in tasks)
+alive = sum(g() is not None for g in groups)
+print("groups alive:", alive, "threads left:", threads() - before, names)
 """
 
 
