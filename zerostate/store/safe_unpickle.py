@@ -18,7 +18,6 @@ one parameter's slice at a time, never a whole ``.pt`` file.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 import zipfile
@@ -299,26 +298,7 @@ def restricted_loads(data: bytes, allowed: dict[tuple[str, str], Any], where: st
 # ------------------------------------------------------------------------- archives
 def object_size(storage: Storage, path: str) -> int:
     """Bytes of object ``path``: a stat where the backend has one, else probed by reads."""
-    fs = getattr(storage, "fs", None)
-    if fs is not None:
-        return int(fs.size(storage._abs(path)))  # type: ignore[attr-defined]
-    contained = getattr(storage, "_contained", None)
-    if contained is not None:
-        try:
-            return os.path.getsize(contained(path))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{storage.url_of(path)} does not exist") from None
-    lo, hi = 0, 1
-    byte = memoryview(bytearray(1))
-    while storage.read_range_into(path, hi - 1, [byte]) == 1:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # lo bytes exist, hi do not
-        mid = (lo + hi) // 2
-        if storage.read_range_into(path, mid - 1, [byte]) == 1:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return storage.size(path)
 
 
 class _RangeFile(io.RawIOBase):

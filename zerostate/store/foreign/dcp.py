@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from zerostate.errors import CheckpointNotFoundError, CorruptCheckpointError
+from zerostate.safetensors_io import DTYPES, MAX_HEADER_BYTES
 from zerostate.store.foreign.base import (
     ForeignStep,
     ForeignTensor,
@@ -70,23 +71,9 @@ from zerostate.store.storage import Storage
 METADATA = DCP_METADATA
 METADATA_ALLOWED = {**TORCH_GLOBALS, **DCP_GLOBALS}
 _RANK_FILE = re.compile(r"__(\d{1,6})_\d{1,6}\.distcp")
-#: Largest safetensors header read into memory.
-MAX_HEADER_NBYTES = 100 << 20
-#: safetensors dtype names (those torch's DCP writers can write).
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+#: Largest safetensors header read into memory, and the dtypes: as for Hugging Face files.
+MAX_HEADER_NBYTES = MAX_HEADER_BYTES
+SAFETENSORS_DTYPES = DTYPES
 SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
