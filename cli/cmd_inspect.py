@@ -10,7 +10,6 @@ from zerostate_cli.common import (
     human_bytes,
     open_step,
     print_json,
-    storage_options,
 )
 
 GROUPS = ("model", "optim", "buffers")
@@ -34,7 +33,7 @@ def group_of(name: str) -> str:
     return head if head in GROUPS else "other"
 
 
-def describe(ckpt: Any, st: Any, root: str, storage_options: dict | None) -> dict[str, Any]:
+def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
     engine = st.attrs.get("engine") if isinstance(st.attrs, dict) else None
     engine = engine if isinstance(engine, dict) else {}
     tensors = []
@@ -58,11 +57,11 @@ def describe(ckpt: Any, st: Any, root: str, storage_options: dict | None) -> dic
         group["numel"] += int(info.numel)
         group["bytes"] += int(info.nbytes)
     totals = {g: t for g, t in totals.items() if t["num_tensors"] or g in GROUPS}
-    committed = list(ckpt.steps())
+    committed, partial = (list(steps) for steps in ckpt.scan())  # one listing of the root
     return {
         "checkpoint": root,
         "steps": committed,
-        "partial_steps": partial_steps(root, storage_options, committed),
+        "partial_steps": partial,
         "step": st.step,
         "format_version": st.format_version,
         "objects": st.object_count,
@@ -76,19 +75,9 @@ def describe(ckpt: Any, st: Any, root: str, storage_options: dict | None) -> dic
     }
 
 
-def partial_steps(root: str, storage_options: dict | None, committed: list[int]) -> list[int]:
-    """Step directories without a commit record: crashed or in-flight saves."""
-    from zerostate.store import format as fmt
-    from zerostate.store.storage import open_storage
-
-    storage = open_storage(root, storage_options)
-    found = (fmt.parse_step_dir(name) for name in storage.list_dir(""))
-    return sorted(s for s in found if s is not None and s not in set(committed))
-
-
 def run(args: argparse.Namespace) -> int:
     ckpt, st = open_step(args)
-    data = describe(ckpt, st, args.ckpt, storage_options(args, args.ckpt))
+    data = describe(ckpt, st, args.ckpt)
     if args.json:
         print_json(data)
         return 0

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerostate.errors import ConfigError, ZerostateError
+from zerostate.errors import ConfigError
 
 log = logging.getLogger("zerostate")
 
@@ -207,56 +207,3 @@ def report_skipped(path: str, step: int, wanted: list[str], stored: Iterable[str
 
 def _shown(names: list[str], limit: int = 10) -> str:
     return ", ".join(names[:limit]) + (" ..." if len(names) > limit else "")
-
-
-# ------------------------------------------------------------------- save target
-def check_save_target(
-    path: str, storage_options: dict | None, model_shapes: dict[str, tuple[int, ...]]
-) -> str | None:
-    """Why ``engine.save(path)`` must not write there, or None when it may.
-
-    [Note: save target]
-    A root is refused when it lies inside a step directory of a checkpoint (``.../step-
-    00000100/``), or when its latest committed step holds a different model (other
-    ``model/`` tensor names or shapes): that is another run's root reused by accident,
-    where this run's steps would interleave with the other's, a later ``load`` could pick
-    the other run's step, and ``keep_last`` would delete the other run's steps. Names and
-    shapes are logical, so a root written at another world size (or compiled, see
-    [Note: canonical names]) is the same model. Checked once per root per engine.
-    """
-    from zerostate.store import format as fmt
-    from zerostate.store.reader import open_checkpoint
-    from zerostate.store.storage import canonical_location
-
-    location = canonical_location(path)
-    inside = [p for p in location.split("://", 1)[1].split("/") if fmt.parse_step_dir(p)]
-    if inside:
-        return (
-            f"save path {path!r} lies inside the step directory {inside[-1]!r} of a "
-            "checkpoint; pass the checkpoint root (the directory holding step-* "
-            "directories) or a new directory"
-        )
-    try:
-        ckpt = open_checkpoint(path, storage_options=storage_options)
-        committed = ckpt.steps()
-        if not committed:
-            return None
-        tensors = ckpt.step(committed[-1]).tensors
-        theirs = {n: tuple(i.shape) for n, i in tensors.items() if n.startswith("model/")}
-    except ZerostateError as exc:
-        return f"cannot check the save path {path!r}: {exc}"
-    if theirs == model_shapes:
-        return None
-    only = set(theirs) ^ set(model_shapes)
-    differ = sorted(only) or sorted(n for n in theirs if theirs[n] != model_shapes[n])
-    name = differ[0]
-    if name in only:
-        why = "only in this model" if name in model_shapes else "only in the checkpoint"
-    else:
-        why = f"shape {theirs[name]} there, {model_shapes[name]} here"
-    return (
-        f"{path!r} already holds checkpoints of a different model (latest step "
-        f"{committed[-1]}: {name!r} {why}; {len(differ)} tensor(s) differ). Saving there "
-        "would mix two runs, and keep_last would delete the other run's steps: save to a "
-        "new directory, or delete the old steps first"
-    )

@@ -61,14 +61,8 @@ from zerostate.errors import (
 )
 from zerostate.frozen import RANK_STATE_KEY as FROZEN_KEY
 from zerostate.frozen import adapter_attrs, plan_frozen
-from zerostate.store import (
-    StepExistsError,
-    StepWriter,
-    TensorSpec,
-    open_checkpoint,
-    prune_steps,
-    remove_partial_steps,
-)
+from zerostate.store import StepExistsError, TensorSpec
+from zerostate.store.root import CheckpointRoot
 from zerostate.store.sources import open_source
 
 log = logging.getLogger(__name__)
@@ -231,7 +225,7 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._snapshot_ready = threading.Event()
         self._snapshot_ready.set()
-        self._checked_roots: set[str] = set()  # see [Note: save target] in adapt.py
+        self._checked_roots: set[str] = set()  # see [Note: save target] in store/root.py
         # Roots this engine loaded from or committed to: saving an older step there is
         # resuming or rewinding this run, not landing beside another run's steps.
         self._own_roots: set[str] = set()
@@ -422,25 +416,16 @@ class Checkpointer:
         # finishes its previous save; one all-gather tells every rank the verdict of all
         # before anyone writes a byte (the id lets rank 0 ignore stale manifests).
         self._arrive("save")
-        code, save_id, error, refusal = _OK, 0, None, None
+        code, save_id, latest, error, refusal = _OK, 0, -1, None, None
         try:
             self.wait()  # one save in flight; surfaces a previous background failure
-            refusal = self._check_root(path, storage_options)
-            if refusal is not None:
-                code = _REFUSED
-            elif self.rank == 0:
-                save_id = secrets.randbits(62)
-                ckpt = open_checkpoint(path, storage_options=storage_options)
-                newer = None if allow_older_step else self._newer_step(ckpt, path, step)
-                if newer is not None:
-                    code, save_id = _NEWER, newer
-                elif ckpt.is_committed(step):
-                    code = _EXISTS
-                else:
-                    remove_partial_steps(path, storage_options=storage_options, only_step=step)
+            # The root is opened once, here, and every part of the save uses it.
+            root = CheckpointRoot.open(path, storage_options)
+            if self.rank == 0:
+                code, save_id, latest, refusal = self._check_root(root, step, allow_older_step)
         except Exception as exc:  # reported to every rank below, then re-raised here
             code, error = _FAILED, exc
-        rows = self._exchange([code, save_id, step, _digest(sorted(objects))])
+        rows = self._exchange([code, save_id, step, _digest(sorted(objects)), latest])
         self._raise_if_failed(
             error, [r[0] == _FAILED for r in rows], f"preparing save of step {step}"
         )
@@ -460,7 +445,7 @@ class Checkpointer:
         names = sorted(objects)
         states = self._exchange([_digest(objects[n]) for n in names]) if names else []
         per_rank = [n for i, n in enumerate(names) if len({row[i] for row in states}) > 1]
-        code, save_id = rows[0][0], rows[0][1]
+        code, save_id, latest = rows[0][0], rows[0][1], rows[0][4]
         if code == _REFUSED:
             raise ConfigError(refusal or f"rank 0 refused the save path {path!r}; see its error")
         if code == _NEWER:
@@ -476,7 +461,8 @@ class Checkpointer:
                 f"step {step} is already committed in {path}; save under another step number "
                 "or delete it first"
             )
-        frozen = plan_frozen(self, path, storage_options, step)  # collective, never fails
+        # Collective, never fails; ``latest``: rank 0's listing, so no rank lists again.
+        frozen = plan_frozen(self, root, step, latest if latest >= 0 else None)
         try:
             rank_state = {"rng": self._rng_state()}
             if per_rank:  # see [Note: per-rank stateful objects]
@@ -486,15 +472,13 @@ class Checkpointer:
             if frozen.digests:
                 rank_state[FROZEN_KEY] = frozen.digests
             pieces = [p for p in self._pieces() if p.spec.name not in frozen.skipped]
-            writer = StepWriter(
-                path,
+            writer = root.writer(
                 step,
                 rank=self.rank,
                 world_size=self.world_size,
                 specs=[p.spec for p in pieces],
                 attrs=attrs,
                 rank_state=rank_state,
-                storage_options=storage_options,
                 timeout_s=self.timeout_s,
                 progress=progress,
                 save_id=f"{save_id:016x}",
@@ -516,11 +500,11 @@ class Checkpointer:
             try:
                 writer.commit(wait=False)  # rank 0 writes the commit record
                 if self.rank == 0:
-                    self._retain(path, step, keep_last, storage_options)
+                    self._retain(root, step, keep_last)
             except Exception as exc:
                 error = exc
             self._agree(error, f"committing step {step}")
-            self._remember_root(path)
+            self._own_roots.add(root.location)
             return SaveHandle(step, path, None, time.perf_counter() - start)
 
         def finish() -> None:
@@ -535,46 +519,39 @@ class Checkpointer:
                 writer.abort(exc)
                 raise
             if self.rank == 0:
-                self._retain(path, step, keep_last, storage_options)
+                self._retain(root, step, keep_last)
 
         if self._state.executor is None:
             self._state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
-        self._remember_root(path)
+        self._own_roots.add(root.location)
         future = self._state.executor.submit(finish)
         handle = SaveHandle(step, path, future, time.perf_counter() - start)
         with self._lock:
             self._state.handle = handle
         return handle
 
-    def _check_root(self, path: str, storage_options: dict | None) -> str | None:
-        """Rank 0's verdict on a root this engine has not saved to yet."""
-        if self.rank != 0:
-            return None
-        from zerostate.adapt import check_save_target
-        from zerostate.store.storage import canonical_location
-
-        try:  # an exception here would leave the other ranks waiting in the all-reduce
-            location = canonical_location(path)
-            if location in self._checked_roots:
-                return None
+    def _check_root(
+        self, root: CheckpointRoot, step: int, allow_older_step: bool
+    ) -> tuple[int, int, int, str | None]:
+        """Rank 0's save guard: ``(code, save id or the newer step, latest committed step
+        or -1, refusal)`` from one listing of the root. The model check runs once per root
+        per engine; a newer committed step is refused unless this engine loaded from or
+        saved to the root (then it is this run's own, see [Note: save target])."""
+        shapes = None
+        if root.location not in self._checked_roots:
             views = self.engine.state_views()
             shapes = {v.name: tuple(v.shape) for v in views if v.name.startswith("model/")}
-            refusal = check_save_target(path, storage_options, shapes)
-        except ZerostateError as exc:
-            return str(exc)
-        if refusal is None:
-            self._checked_roots.add(location)
-        return refusal
-
-    def _newer_step(self, ckpt: Any, path: str, step: int) -> int | None:
-        """Rank 0: the root's latest committed step when it is newer than ``step`` and this
-        engine neither loaded from nor saved to the root (another run's checkpoint)."""
-        from zerostate.store.storage import canonical_location
-
-        if canonical_location(path) in self._own_roots:
-            return None
-        steps = ckpt.steps()
-        return steps[-1] if steps and steps[-1] > step else None
+        newer_ok = allow_older_step or root.location in self._own_roots
+        check = root.check_save(step, model_shapes=shapes, newer_ok=newer_ok)
+        latest = -1 if check.latest is None else check.latest
+        if check.refusal is not None:
+            return _REFUSED, 0, latest, check.refusal
+        self._checked_roots.add(root.location)
+        if check.newer is not None:
+            return _NEWER, check.newer, latest, None
+        if check.exists:
+            return _EXISTS, 0, latest, None
+        return _OK, secrets.randbits(62), latest, None
 
     def _arrive(self, what: str) -> None:
         """See [Note: arrival deadline] in zerostate.collectives."""
@@ -595,14 +572,12 @@ class Checkpointer:
             pass
 
     @staticmethod
-    def _retain(path: str, step: int, keep_last: int | None, storage_options: dict | None) -> None:
+    def _retain(root: CheckpointRoot, step: int, keep_last: int | None) -> None:
         # Partial steps older than the one just committed belong to crashed saves.
         try:
-            prune_steps(
-                path, keep_last=keep_last, partial_below=step, storage_options=storage_options
-            )
+            root.prune(keep_last=keep_last, partial_below=step)
         except Exception as exc:  # retention must not fail a good save
-            log.warning("zerostate: retention in %s after step %d failed: %s", path, step, exc)
+            log.warning("zerostate: retention in %s after step %d failed: %s", root.url, step, exc)
 
     def wait(self) -> None:
         with self._lock:

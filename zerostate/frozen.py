@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerostate.store import open_checkpoint
 from zerostate.store.refs import TensorRef, shard_digest
 
 log = logging.getLogger(__name__)
@@ -39,11 +38,11 @@ class FrozenPlan:
         return {r.spec.name for r in self.refs}
 
 
-def plan_frozen(
-    checkpointer: Any, path: str, storage_options: dict | None, step: int
-) -> FrozenPlan:
+def plan_frozen(checkpointer: Any, root: Any, step: int, latest: int | None) -> FrozenPlan:
     """Collective: every rank calls it with the same arguments; it never raises for a
-    problem of one rank (that rank votes "write everything" instead)."""
+    problem of one rank (that rank votes "write everything" instead). ``root`` is the
+    save's :class:`~zerostate.store.root.CheckpointRoot`, ``latest`` its latest committed
+    step as rank 0 listed it before the save (None: the root holds none)."""
     engine = checkpointer.engine
     names = sorted(f"model/{n}" for n in engine.engine_state().get("frozen", []))
     if not names:
@@ -53,7 +52,7 @@ def plan_frozen(
         pieces = {p.spec.name: p for p in checkpointer._pieces() if p.spec.name in names}
         specs = {n: pieces[n].spec for n in names}
         digests = {n: shard_digest(pieces[n].source) for n in names}
-        base, holders = _matching(checkpointer, path, storage_options, specs, digests)
+        base, holders = _matching(checkpointer, root, latest, specs, digests)
     except Exception as exc:  # noqa: BLE001 - the plain save is always correct
         log.warning("zerostate: frozen tensors of step %d are written in full: %s", step, exc)
         base, holders = -1, {}
@@ -72,18 +71,16 @@ def plan_frozen(
 
 def _matching(
     checkpointer: Any,
-    path: str,
-    storage_options: dict | None,
+    root: Any,
+    latest: int | None,
     specs: dict[str, Any],
     digests: dict[str, str],
 ) -> tuple[int, dict[str, int]]:
     """``(latest committed step, {name: holder step})`` of the tensors whose owned range
     on this rank equals what that step holds for this rank."""
-    ckpt = open_checkpoint(path, storage_options=storage_options)
-    committed = ckpt.steps()
-    if not committed:
+    if latest is None:
         return -1, {}
-    with ckpt.step(committed[-1]) as st:
+    with root.step(latest) as st:
         if not st.supports_references or st.world_size != checkpointer.world_size:
             return -1, {}
         prior = (st.rank_state(checkpointer.rank) or {}).get(RANK_STATE_KEY)

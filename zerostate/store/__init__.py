@@ -4,25 +4,29 @@ format 1 checkpoints are still read), any number of ranks read them back.
 
 from zerostate.store.format import FORMAT_VERSION, ChunkedTensorInfo, ChunkRecord, TensorInfo
 from zerostate.store.format2 import RowTensorInfo
-from zerostate.store.reader import (
-    CheckpointReader,
-    ChunkRef,
-    StepReader,
+from zerostate.store.reader import ChunkRef, StepReader
+from zerostate.store.reader_v2 import StepReaderV2
+from zerostate.store.root import (
+    CheckpointRoot,
+    SaveCheck,
     delete_step,
     open_checkpoint,
     prune_steps,
     remove_partial_steps,
 )
-from zerostate.store.reader_v2 import StepReaderV2
 from zerostate.store.rows import LazyShard
 from zerostate.store.step_base import StepBase
 from zerostate.store.storage import FsspecStorage, LocalStorage, Storage, open_storage
 from zerostate.store.tensors import owned_shards, plan_specs, save_tensors
 from zerostate.store.writer import StepExistsError, StepWriter, TensorSpec
 
+#: The former name of :class:`CheckpointRoot`, which grew from a reader into the root's owner.
+CheckpointReader = CheckpointRoot
+
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointReader",
+    "CheckpointRoot",
     "ChunkRecord",
     "ChunkRef",
     "ChunkedTensorInfo",
@@ -30,6 +34,7 @@ __all__ = [
     "LazyShard",
     "LocalStorage",
     "RowTensorInfo",
+    "SaveCheck",
     "StepBase",
     "StepExistsError",
     "StepReader",

@@ -27,11 +27,11 @@ import torch
 
 from zerostate.errors import ConfigError
 from zerostate.partition import even_layout, plan_layouts
-from zerostate.store.reader import delete_step, open_checkpoint, remove_partial_steps
+from zerostate.store.root import CheckpointRoot
 from zerostate.store.rows import LazyShard
 from zerostate.store.sources import open_source
 from zerostate.store.storage import canonical_location, locations_overlap
-from zerostate.store.writer import StepWriter, TensorSpec
+from zerostate.store.writer import TensorSpec
 
 #: Called as ``progress(bytes_done, bytes_total)``.
 ProgressFn = Callable[[int, int], None]
@@ -87,14 +87,14 @@ def reshard(
     reader = src if opened else open_source(src_url, storage_options=storage_options)
     st = reader.step(step)
 
-    existing = open_checkpoint(dst, storage_options=dst_storage_options)
-    if st.step in existing.steps():
+    target = CheckpointRoot.open(dst, dst_storage_options)  # one storage for every writer
+    if st.step in target.steps():
         if not force:
             raise ConfigError(
                 f"step {st.step} already exists in {dst!r}; pass --force to replace it"
             )
-        delete_step(dst, st.step, storage_options=dst_storage_options)
-    remove_partial_steps(dst, storage_options=dst_storage_options, only_step=st.step)
+        target.delete_step(st.step)
+    target.remove_partial(only_step=st.step)
 
     infos = list(st.tensors.values())
     numels = [int(i.numel) for i in infos]
@@ -118,14 +118,12 @@ def reshard(
 
     # Rank 0 goes last: its commit waits for every other rank's manifest.
     for rank in [*range(1, world_size), 0]:
-        writer = StepWriter(
-            dst,
+        writer = target.writer(
             st.step,
             rank=rank,
             world_size=world_size,
             specs=specs,
             attrs=attrs,
-            storage_options=dst_storage_options,
             progress=advance,
         )
         shards = {}

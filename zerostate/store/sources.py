@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from zerostate.store.foreign.detect import is_dcp, is_deepspeed
 from zerostate.store.protocol import CheckpointSource
-from zerostate.store.reader import CheckpointReader
+from zerostate.store.root import CheckpointRoot
 from zerostate.store.storage import open_storage
 
 
@@ -30,4 +30,4 @@ def open_source(
             return DeepSpeedCheckpoint(storage, num_threads)
     except FileNotFoundError:
         pass  # a missing root: the zerostate reader names the cause
-    return CheckpointReader(storage, num_threads)
+    return CheckpointRoot(storage, num_threads)

@@ -74,7 +74,11 @@ __all__ = [
 
 def open_storage(root: Any, storage_options: dict | None = None) -> Storage:
     """Local disk for plain paths and ``file://``; fsspec for every other URL (an
-    :class:`S3Storage` for ``s3://``)."""
+    :class:`S3Storage` for ``s3://``). An open :class:`Storage` is returned as it is."""
+    if isinstance(root, Storage):
+        if storage_options:
+            raise ConfigError("storage_options were given with an already open Storage")
+        return root
     root = os.fspath(root)
     if not isinstance(root, str) or not root:
         raise CheckpointNotFoundError(f"checkpoint root must be a path or URL, got {root!r}")

@@ -43,7 +43,7 @@ from zerostate.store import format2
 from zerostate.store.format import ChunkRecord
 from zerostate.store.refs import TensorRef
 from zerostate.store.rows import LazyShard, Source, row_parts, row_path
-from zerostate.store.storage import open_storage
+from zerostate.store.storage import Storage, open_storage
 
 
 class StepExistsError(CheckpointError, FileExistsError):
@@ -94,6 +94,9 @@ class TensorSpec:
 class StepWriter:
     """This rank's part of saving step ``step`` under ``root``; see [Note: commit protocol].
 
+    ``root`` is a path or URL, or an open :class:`Storage` (what
+    ``CheckpointRoot.writer`` passes, so a save opens its root once).
+
     ``write`` may be called several times with disjoint sets of tensors; a group's row is
     written as soon as every tensor this rank stores in it was given (the tensors must stay
     unchanged until then), and the manifest once every row is durable. Every rank must pass
@@ -107,7 +110,7 @@ class StepWriter:
 
     def __init__(
         self,
-        root: str,
+        root: str | Storage,
         step: int,
         *,
         rank: int,

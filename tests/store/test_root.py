@@ -1,0 +1,176 @@
+"""The checkpoint-root object: one open storage per root, the save guard from one listing,
+retention through the same object; engine.save opens its root once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_dist import run_distributed
+from torch import nn
+
+from zerostate.errors import CheckpointError, ConfigError
+from zerostate.store import (
+    CheckpointReader,
+    CheckpointRoot,
+    LocalStorage,
+    open_checkpoint,
+    prune_steps,
+    save_tensors,
+)
+from zerostate.store import format as fmt
+
+
+def _save(root, step: int, tensors: dict[str, torch.Tensor]) -> None:
+    save_tensors(root, step, tensors)
+
+
+def _model(width: int = 6) -> dict[str, torch.Tensor]:
+    return {"model/w": torch.arange(width * 3, dtype=torch.float32).reshape(width, 3)}
+
+
+def _partial(tmp: Path, step: int) -> Path:
+    d = tmp / fmt.step_dir(step)
+    d.mkdir(parents=True)
+    (d / "junk").write_bytes(b"x")
+    return d
+
+
+def test_open_takes_a_path_a_storage_or_a_root(tmp_path: Path) -> None:
+    root = CheckpointRoot.open(str(tmp_path))
+    assert isinstance(root.storage, LocalStorage)
+    assert CheckpointRoot.open(root) is root
+    storage = LocalStorage(str(tmp_path))
+    assert CheckpointRoot.open(storage).storage is storage
+    assert open_checkpoint(storage).storage is storage
+    assert root.location == "file://" + os.path.realpath(tmp_path)
+    with pytest.raises(ConfigError, match="already open"):
+        CheckpointRoot.open(root, {"anon": True})
+    with pytest.raises(ConfigError, match="already open"):
+        CheckpointRoot.open(storage, {"anon": True})
+    with pytest.raises(ConfigError, match="needs a Storage"):
+        CheckpointRoot("not a storage")  # type: ignore[arg-type]
+    assert CheckpointReader is CheckpointRoot  # the former name still works
+
+
+def test_check_save_verdicts(tmp_path: Path) -> None:
+    _save(str(tmp_path), 5, _model())
+    root = CheckpointRoot.open(str(tmp_path))
+    shapes = {"model/w": (6, 3)}
+
+    ok = root.check_save(7, model_shapes=shapes, newer_ok=False)
+    assert ok.ok and ok.committed == (5,) and ok.latest == 5
+
+    exists = root.check_save(5, model_shapes=shapes)
+    assert exists.exists and not exists.ok
+
+    newer = root.check_save(3, model_shapes=shapes, newer_ok=False)
+    assert newer.newer == 5 and not newer.ok
+    assert root.check_save(3, model_shapes=shapes, newer_ok=True).ok
+
+    other = root.check_save(7, model_shapes={"model/w": (6, 4)})
+    assert other.refusal and "shape (6, 3) there, (6, 4) here" in other.refusal
+    other = root.check_save(7, model_shapes={"model/v": (6, 3)})
+    assert other.refusal and "'model/v' only in this model" in other.refusal
+    # Without shapes the model is not checked (the engine checks a root once).
+    assert root.check_save(7, model_shapes=None).ok
+
+    inner = CheckpointRoot.open(str(tmp_path / fmt.step_dir(5) / "x"))
+    refusal = inner.check_save(1, model_shapes=shapes).refusal
+    assert refusal and "inside the step directory 'step-00000005'" in refusal
+
+
+def test_check_save_removes_the_steps_partial_directory_only_when_the_save_may_go_on(
+    tmp_path: Path,
+) -> None:
+    _save(str(tmp_path), 5, _model())
+    root = CheckpointRoot.open(str(tmp_path))
+    stale_3, stale_7, other = _partial(tmp_path, 3), _partial(tmp_path, 7), _partial(tmp_path, 8)
+    # Refused (older than the latest, not this run's root): the partial step stays.
+    assert root.check_save(3, newer_ok=False).newer == 5 and stale_3.exists()
+    # Refused (another model): stays.
+    assert root.check_save(7, model_shapes={"model/w": (1,)}).refusal and stale_7.exists()
+    # Accepted: the save's own partial directory goes, nothing else.
+    check = root.check_save(7, model_shapes={"model/w": (6, 3)})
+    assert check.ok and not stale_7.exists() and stale_3.exists() and other.exists()
+    assert root.scan() == ([5], [3, 8])
+
+
+def test_retention_and_deletion_go_through_the_root(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        _save(str(tmp_path), step, _model())
+    _partial(tmp_path, 0)
+    root = CheckpointRoot.open(str(tmp_path))
+    assert root.prune(keep_last=2, partial_below=4) == ([1, 2], [0])
+    assert root.steps() == [3, 4]
+    root.delete_step(3)
+    assert root.steps() == [4]
+    with pytest.raises(CheckpointError, match="no step 3"):
+        root.delete_step(3)
+    with pytest.raises(ConfigError, match="keep_last"):
+        root.prune(keep_last=True, partial_below=None)
+    # The path-taking functions are the same operations on a root opened for the call.
+    _save(str(tmp_path), 6, _model())
+    assert prune_steps(str(tmp_path), keep_last=1, partial_below=None) == ([4], [])
+
+
+# ------------------------------------------------------------- engine.save
+def _counting_worker(rank: int, world_size: int, tmp: str) -> dict:
+    import zerostate
+    from zerostate.store import local
+
+    path = os.path.realpath(os.path.join(tmp, "ckpt"))
+    counts = {"storages": 0, "root_listings": 0}
+    init, list_dir = local.LocalStorage.__init__, local.LocalStorage.list_dir
+
+    def counted_init(self, root, *a, **k):
+        init(self, root, *a, **k)
+        if os.path.realpath(os.fspath(root)) == path:
+            counts["storages"] += 1
+
+    def counted_list(self, p):
+        if p in ("", ".") and os.path.realpath(self.root) == path:
+            counts["root_listings"] += 1
+        return list_dir(self, p)
+
+    local.LocalStorage.__init__ = counted_init
+    local.LocalStorage.list_dir = counted_list
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2))
+    model[0].weight.requires_grad_(False)  # frozen: the save plans references to it
+    engine = zerostate.Engine(model, stage=3)
+    out = {}
+    for i in range(3):
+        engine.backward(engine(torch.ones(3, 6)).square().mean())
+        engine.step()
+        counts.update(storages=0, root_listings=0)
+        engine.save(path, keep_last=2)
+        out[f"save{i}"] = dict(counts)
+    engine.backward(engine(torch.ones(3, 6)).square().mean())
+    engine.step()
+    counts.update(storages=0, root_listings=0)
+    engine.save(path, keep_last=2, blocking=False).wait()
+    out["async"] = dict(counts)
+    engine.close()
+    with open_checkpoint(path).step() as st:
+        out["refs"] = sorted(st.refs)
+    out["steps"] = open_checkpoint(path).steps()
+    return out
+
+
+def test_engine_save_opens_its_root_once_and_lists_it_only_on_rank_0(tmp_path: Path) -> None:
+    results = run_distributed(_counting_worker, 2, str(tmp_path), timeout=180)
+    for rank, r in enumerate(results):
+        for key in ("save0", "save1", "save2", "async"):
+            assert r[key]["storages"] == 1, (rank, key, r[key])
+            # Rank 0: the save guard and retention list the root once each; the others
+            # take what they need (the latest step) from rank 0's listing.
+            assert r[key]["root_listings"] == (2 if rank == 0 else 0), (rank, key, r[key])
+        # keep_last=2 keeps steps 3 and 4, and step 1, which holds the frozen weight they
+        # refer to; step 2 goes.
+        assert r["steps"] == [1, 3, 4]
+        # The frozen weight is referred to from the step that holds it (the guard's
+        # latest step reached every rank).
+        assert r["refs"] == ["model/0.weight"]

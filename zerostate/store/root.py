@@ -1,0 +1,393 @@
+"""A checkpoint root: the one object that owns a root's storage.
+
+A root (a directory or URL holding ``step-<8 digits>/`` steps) is opened once, and that one
+:class:`CheckpointRoot` lists its steps, opens them for reading, makes the writers of new
+ones, runs retention and answers the save guard. ``engine.save`` opens the root once per
+save and hands it to every part of the save, instead of each part re-opening the path
+(one storage client per root, one listing where the guard needs one).
+
+Every operation that deletes is here, so the ordering rules that keep a root consistent
+through a crash live in one place: a commit record is removed before its step's data, and
+committed steps are deleted newest first (see [Note: tensor references] in ``refs.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from zerostate.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    ZerostateError,
+)
+from zerostate.store import format as fmt
+from zerostate.store import refs
+from zerostate.store.base import Storage
+from zerostate.store.reader import StepReader
+from zerostate.store.storage import open_storage
+
+RootLike = str | os.PathLike | Storage
+
+
+@dataclass(frozen=True, slots=True)
+class SaveCheck:
+    """Rank 0's findings before a save of one step (:meth:`CheckpointRoot.check_save`)."""
+
+    #: Committed steps of the root, ascending, as listed before the save.
+    committed: tuple[int, ...]
+    #: Why the save must not write there (another model's root, a step directory), or None.
+    refusal: str | None = None
+    #: The root's latest committed step when it is newer than the step and that is refused.
+    newer: int | None = None
+    #: Whether the step is already committed.
+    exists: bool = False
+
+    @property
+    def latest(self) -> int | None:
+        return self.committed[-1] if self.committed else None
+
+    @property
+    def ok(self) -> bool:
+        return self.refusal is None and self.newer is None and not self.exists
+
+
+class CheckpointRoot:
+    """A checkpoint root: its storage, its steps, their readers and writers, retention."""
+
+    def __init__(self, storage: Storage, num_threads: int = 8) -> None:
+        if not isinstance(storage, Storage):
+            raise ConfigError(f"CheckpointRoot needs a Storage, got {type(storage).__name__}")
+        self._storage = storage
+        self._num_threads = num_threads
+        self._location: str | None = None
+
+    @classmethod
+    def open(
+        cls, root: RootLike | CheckpointRoot, storage_options: dict | None = None, **kwargs: Any
+    ) -> CheckpointRoot:
+        """``root`` as a :class:`CheckpointRoot`: a path or URL is opened (nothing is read
+        yet), a :class:`Storage` is wrapped, an open root is returned as it is."""
+        if isinstance(root, CheckpointRoot):
+            if storage_options:
+                raise ConfigError("storage_options were given with an already open root")
+            return root
+        if isinstance(root, Storage):
+            if storage_options:
+                raise ConfigError("storage_options were given with an already open Storage")
+            return cls(root, **kwargs)
+        return cls(open_storage(root, storage_options), **kwargs)
+
+    @property
+    def storage(self) -> Storage:
+        return self._storage
+
+    @property
+    def url(self) -> str:
+        return self._storage.url
+
+    @property
+    def location(self) -> str:
+        """Canonical identity of the root (``storage.canonical_location``), computed once."""
+        if self._location is None:
+            self._location = self._storage.location
+        return self._location
+
+    def __repr__(self) -> str:
+        return f"CheckpointRoot({self.url!r})"
+
+    # ----------------------------------------------------------------- listing
+    def scan(self) -> tuple[list[int], list[int]]:
+        """``(committed, partial)`` steps, ascending: one listing of the root and one
+        existence check of each step's commit record."""
+        committed, partial = [], []
+        dirs = sorted(self._step_dirs().items())
+        records = self._storage.exists_many([f"{name}/{fmt.COMMIT_PATH}" for _, name in dirs])
+        for (step, _), has_record in zip(dirs, records, strict=True):
+            (committed if has_record else partial).append(step)
+        return committed, partial
+
+    def steps(self) -> list[int]:
+        """Committed steps (those with a commit record), ascending.
+
+        A damaged commit record still lists its step; opening it raises
+        CorruptCheckpointError rather than silently rolling back to an older step.
+        """
+        return self.scan()[0]
+
+    def is_committed(self, step: int) -> bool:
+        """Whether ``step`` has a commit record (one existence check, no listing)."""
+        return self._storage.exists(f"{fmt.step_dir(step)}/{fmt.COMMIT_PATH}")
+
+    def latest_step(self) -> int:
+        committed, partial = self.scan()
+        if not committed:
+            # A missing directory or bucket lists as empty: name that cause instead.
+            self._storage.check_readable()
+            hint = f" (only partial, uncommitted steps: {partial[-5:]})" if partial else ""
+            raise CheckpointNotFoundError(f"no committed step under {self.url}{hint}")
+        return committed[-1]
+
+    def _step_dirs(self) -> dict[int, str]:
+        out = {}
+        for name in self._storage.list_dir(""):
+            step = fmt.parse_step_dir(name)
+            if step is not None:
+                out[step] = name
+        return out
+
+    # ----------------------------------------------------------------- reading
+    def step(self, step: int | None = None) -> Any:
+        """Open a committed step (the latest when ``step`` is None): a format-1
+        :class:`~zerostate.store.reader.StepReader` or a format-2
+        :class:`~zerostate.store.reader_v2.StepReaderV2`."""
+        if step is None:
+            step = self.latest_step()
+        directory = fmt.step_dir(step)
+        where = f"commit record of {self._storage.url_of(directory)}"
+        try:
+            raw = self._storage.read(f"{directory}/{fmt.COMMIT_PATH}")
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"step {step} is not committed under {self.url} (committed steps: "
+                f"{self.steps()[-10:]})"
+            ) from None
+        record = fmt.parse_document(raw, "zerostate_commit", where)
+        if fmt.check_format_version(record, where) == 2:
+            from zerostate.store import format2
+            from zerostate.store.reader_v2 import StepReaderV2
+
+            parsed = format2.parse_commit_record(record, step, where)
+            holders = self._holders(parsed, where)
+            return StepReaderV2(self._storage, directory, step, parsed, self._num_threads, holders)
+        world_size, attrs, tensors, files = fmt.parse_commit_record(record, step, where)
+        return StepReader(
+            self._storage, directory, step, world_size, attrs, tensors, files, self._num_threads
+        )
+
+    def _holders(self, parsed: Any, where: str) -> dict[int, Any]:
+        """The older steps a step refers to ([Note: tensor references] in ``refs.py``)."""
+        holders = {}
+        for holder in sorted({k for _, k in parsed.refs.values()}):
+            names = sorted(n for n, (_, k) in parsed.refs.items() if k == holder)
+            try:
+                holders[holder] = self.step(holder)
+            except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+                shown = ", ".join(repr(n) for n in names[:5])
+                raise CorruptCheckpointError(
+                    f"{where}: tensor(s) {shown}{' ...' if len(names) > 5 else ''} are held "
+                    f"by step {holder}, which cannot be opened: {exc}"
+                ) from exc
+        return holders
+
+    # ----------------------------------------------------------------- writing
+    def writer(self, step: int, **kwargs: Any) -> Any:
+        """A :class:`~zerostate.store.writer.StepWriter` of ``step`` into this root (the
+        keyword arguments are the writer's), on this root's storage."""
+        from zerostate.store.writer import StepWriter
+
+        return StepWriter(self._storage, step, **kwargs)
+
+    def check_save(
+        self,
+        step: int,
+        *,
+        model_shapes: dict[str, tuple[int, ...]] | None = None,
+        newer_ok: bool = True,
+    ) -> SaveCheck:
+        """Rank 0's save guard before a save of ``step``, from one listing of the root:
+        why the save must not write there (with ``model_shapes``: :meth:`save_refusal`),
+        a newer committed step (unless ``newer_ok``), or ``step`` already committed. When
+        none holds, a partial directory of ``step`` left by a crashed save is removed so
+        the new save starts clean; nothing else is changed."""
+        committed, partial = self.scan()
+        refusal = None if model_shapes is None else self.save_refusal(model_shapes, committed)
+        newer = None
+        if not newer_ok and committed and committed[-1] > step:
+            newer = committed[-1]
+        check = SaveCheck(tuple(committed), refusal, newer, step in committed)
+        if check.ok and step in partial:
+            self._remove_partial([step], set(committed))
+        return check
+
+    def save_refusal(
+        self, model_shapes: dict[str, tuple[int, ...]], committed: list[int] | None = None
+    ) -> str | None:
+        """Why a save of a model with these ``model/`` tensor shapes must not write into
+        this root, or None. ``committed``: the root's committed steps when the caller has
+        just listed them.
+
+        [Note: save target]
+        A root is refused when it lies inside a step directory of a checkpoint (``.../step-
+        00000100/``), or when its latest committed step holds a different model (other
+        ``model/`` tensor names or shapes): that is another run's root reused by accident,
+        where this run's steps would interleave with the other's, a later ``load`` could
+        pick the other run's step, and ``keep_last`` would delete the other run's steps.
+        Names and shapes are logical, so a root written at another world size (or
+        compiled, see [Note: canonical names]) is the same model. ``engine.save`` checks it
+        once per root per engine.
+        """
+        refusal = _inside_step_dir(self.location)
+        if refusal is not None:
+            return refusal
+        try:
+            if committed is None:
+                committed = self.steps()
+            if not committed:
+                return None
+            latest = committed[-1]
+            with self.step(latest) as st:
+                tensors = st.tensors
+            theirs = {n: tuple(i.shape) for n, i in tensors.items() if n.startswith("model/")}
+        except ZerostateError as exc:
+            return f"cannot check the save path {self.url!r}: {exc}"
+        if theirs == model_shapes:
+            return None
+        only = set(theirs) ^ set(model_shapes)
+        differ = sorted(only) or sorted(n for n in theirs if theirs[n] != model_shapes[n])
+        name = differ[0]
+        if name in only:
+            why = "only in this model" if name in model_shapes else "only in the checkpoint"
+        else:
+            why = f"shape {theirs[name]} there, {model_shapes[name]} here"
+        return (
+            f"{self.url!r} already holds checkpoints of a different model (latest step "
+            f"{latest}: {name!r} {why}; {len(differ)} tensor(s) differ). Saving there "
+            "would mix two runs, and keep_last would delete the other run's steps: save to a "
+            "new directory, or delete the old steps first"
+        )
+
+    # --------------------------------------------------------------- retention
+    def remove_partial(
+        self, *, only_step: int | None = None, below_step: int | None = None
+    ) -> list[int]:
+        """Delete step directories that have no commit record (crashed or abandoned saves).
+
+        ``only_step`` limits this to one step; ``below_step`` to steps smaller than it. Never
+        call it while a save of an affected step may be in flight. Returns the steps removed.
+        """
+        if only_step is not None:
+            directory = fmt.step_dir(only_step)
+            listed = directory in self._storage.list_dir("")
+            commit = f"{directory}/{fmt.COMMIT_PATH}"
+            partial = [only_step] if listed and not self._storage.exists(commit) else []
+            committed = None
+        else:
+            committed_list, partial = self.scan()
+            committed = set(committed_list)
+        removed = [s for s in partial if below_step is None or s < below_step]
+        if removed and committed is None:
+            committed = set(self.scan()[0])
+        return self._remove_partial(removed, committed or set())
+
+    def _remove_partial(self, candidates: list[int], committed: set[int]) -> list[int]:
+        if candidates:  # see [Note: tensor references] in refs.py
+            referenced = refs.kept_steps(self._storage, committed)
+            candidates = [s for s in candidates if referenced is not None and s not in referenced]
+        for step in candidates:
+            self._storage.remove_tree(fmt.step_dir(step))
+        self._storage.sync_dirs()
+        return candidates
+
+    def prune(
+        self, *, keep_last: int | None, partial_below: int | None
+    ) -> tuple[list[int], list[int]]:
+        """Retention in one scan: delete partial steps below ``partial_below`` (crashed
+        saves) and all but the newest ``keep_last`` committed steps (the newest is always
+        kept). Returns ``(committed steps deleted, partial steps deleted)``."""
+        if keep_last is not None and (
+            not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+        ):
+            raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        committed, partial = self.scan()
+        stale = [s for s in partial if partial_below is not None and s < partial_below]
+        for step in stale:
+            self._storage.remove_tree(fmt.step_dir(step))
+        old = committed[:-keep_last] if keep_last else []
+        if old:  # steps the kept ones refer to stay ([Note: tensor references] in refs.py)
+            kept = refs.kept_steps(self._storage, set(committed[-keep_last:]))
+            old = [s for s in old if kept is not None and s not in kept]
+        # Newest first: references point to older steps, so a crash part-way leaves no
+        # committed step whose holder is already gone.
+        for step in sorted(old, reverse=True):
+            self._delete_dir(step)
+        self._storage.sync_dirs()
+        return old, stale
+
+    def delete_step(self, step: int) -> None:
+        """Delete one step, committed or not (the commit record first). Refused while
+        another committed step refers to its tensors."""
+        if fmt.step_dir(step) not in self._storage.list_dir(""):
+            raise CheckpointNotFoundError(f"no step {step} under {self.url}")
+        others = [s for s in self.scan()[0] if s != step]
+        # A step whose references cannot be read counts as referring: deleting is undoable.
+        referrers = [s for s in others if step in (refs.kept_steps(self._storage, {s}) or {step})]
+        if referrers:
+            raise CheckpointError(
+                f"step {step} under {self.url} holds tensors that steps {referrers[:10]} "
+                "refer to; delete those steps first (or consolidate/reshard one of them, "
+                "which writes every tensor)"
+            )
+        self._delete_dir(step)
+        self._storage.sync_dirs()
+
+    def _delete_dir(self, step: int) -> None:
+        # The commit record goes first, so a crash while deleting leaves a partial step,
+        # never a committed step with missing chunks.
+        directory = fmt.step_dir(step)
+        self._storage.remove(f"{directory}/{fmt.COMMIT_PATH}")
+        self._storage.sync_dirs()
+        self._storage.remove_tree(directory)
+
+
+def _inside_step_dir(location: str) -> str | None:
+    inside = [p for p in location.split("://", 1)[1].split("/") if fmt.parse_step_dir(p)]
+    if not inside:
+        return None
+    return (
+        f"save path {location!r} lies inside the step directory {inside[-1]!r} of a "
+        "checkpoint; pass the checkpoint root (the directory holding step-* directories) "
+        "or a new directory"
+    )
+
+
+# ------------------------------------------------------------- by path or URL
+def open_checkpoint(
+    root: RootLike, storage_options: dict | None = None, *, num_threads: int = 8
+) -> CheckpointRoot:
+    """Open a checkpoint root (path or fsspec URL) for reading. Nothing is read yet."""
+    return CheckpointRoot.open(root, storage_options, num_threads=num_threads)
+
+
+def remove_partial_steps(
+    root: RootLike,
+    storage_options: dict | None = None,
+    *,
+    only_step: int | None = None,
+    below_step: int | None = None,
+) -> list[int]:
+    """:meth:`CheckpointRoot.remove_partial` of the root at ``root``."""
+    return CheckpointRoot.open(root, storage_options).remove_partial(
+        only_step=only_step, below_step=below_step
+    )
+
+
+def prune_steps(
+    root: RootLike,
+    *,
+    keep_last: int | None,
+    partial_below: int | None,
+    storage_options: dict | None = None,
+) -> tuple[list[int], list[int]]:
+    """:meth:`CheckpointRoot.prune` of the root at ``root``."""
+    return CheckpointRoot.open(root, storage_options).prune(
+        keep_last=keep_last, partial_below=partial_below
+    )
+
+
+def delete_step(root: RootLike, step: int, storage_options: dict | None = None) -> None:
+    """:meth:`CheckpointRoot.delete_step` of the root at ``root``."""
+    CheckpointRoot.open(root, storage_options).delete_step(step)
