@@ -7,6 +7,7 @@ from common import batch, make_engine, make_model
 from simgroup import run_sim
 
 from zerostate import checkpoint
+from zerostate.store.writer import StepWriter
 
 
 class _Broken(OSError):
@@ -24,7 +25,7 @@ def _train_one_step(engine) -> None:
 
 
 def test_close_reraises_a_failed_async_save_once(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(checkpoint.StepWriter, "write", _failing_write)
+    monkeypatch.setattr(StepWriter, "write", _failing_write)
 
     def worker(rank, group):
         engine = make_engine(make_model(), stage=2, group=group)
@@ -46,7 +47,7 @@ def test_context_manager_closes_and_keeps_the_bodys_error(monkeypatch, tmp_path)
             _train_one_step(engine)
             handle = engine.save(str(tmp_path / "ok"), blocking=False)
         assert handle.done()  # __exit__ waited for the save
-        monkeypatch.setattr(checkpoint.StepWriter, "write", _failing_write)
+        monkeypatch.setattr(StepWriter, "write", _failing_write)
         with pytest.raises(KeyError) as info:
             with make_engine(make_model(), stage=1, group=group) as engine:
                 _train_one_step(engine)
@@ -63,12 +64,12 @@ import gc, sys
 import torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, {engine_tests!r}]
 from common import batch, make_engine, make_model
-from zerostate import checkpoint
+from zerostate.store.writer import StepWriter
 
 def broken(self, shards):
     raise OSError("disk on fire")
 
-checkpoint.StepWriter.write = broken
+StepWriter.write = broken
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 engine = make_engine(make_model(), stage=2)
 x, y = batch(0, 0)
