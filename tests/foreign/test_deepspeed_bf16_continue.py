@@ -5,15 +5,19 @@ continuation from the same checkpoint.
 Both engines keep fp32 masters and AdamW moments and run the model in bf16. After the load
 the working weights are DeepSpeed's bit for bit, so the first continued loss agrees to fp32
 summation order; the gradients then differ by bf16 rounding inside the backward (a global
-batch of 6 split 3 + 3 by DeepSpeed, 6 or 2 + 2 + 2 by zerostate: other matmul shapes,
-other orders of the cross-rank sum), a few 2**-9 relative, and AdamW turns that into a
-change of the update ``lr * m / sqrt(v)`` of a similar relative size. Measured here (stages
-1-3 into worlds 1 and 3): masters within 5e-5 after the first step and 1.8e-4 after the
-second (0.5 % and 1.8 % of lr), losses within 2e-7 and 3e-5; the first step computed in
-fp64 from the same checkpoint state lands 7e-5 from DeepSpeed's masters and 5e-5 from
-zerostate's, so both are that far from exact, not one of them wrong. Clearing the restored moments
-moves the masters by 1.4e-2 and 2.5e-2 (more than one update), which the negative control
-below shows the tolerance catches.
+batch of 6 split 3 + 3 by DeepSpeed's 2 ranks, or of 12 split 3 + 3 + 3 + 3 by its 4 ranks, split
+other ways by zerostate: other matmul shapes, other orders of the cross-rank sum), a few
+2**-9 relative, and AdamW turns that into a change of the update ``lr * m / sqrt(v)`` of a
+similar relative size. Measured here (stages 1-3 from 2 ranks into worlds 1 and 3, stages 2
+and 3 from 4 ranks into worlds 2 and 3): masters within 7e-5 after the first step and
+2.0e-4 after the second (0.7 % and 2 % of lr), losses within 2e-7 and 4.2e-4; the first
+step computed in fp64 from the same checkpoint state lands 7e-5 from DeepSpeed's masters
+and 5e-5 from zerostate's, so both are that far from exact, not one of them wrong. Clearing
+the restored moments moves the masters by 1.4e-2 and 2.5e-2 (more than one update), which
+the negative controls below (from 2 and from 4 ranks) show the tolerance catches.
+
+The checkpoints come from ``peers.write_deepspeed_bf16`` through the session's
+``peer_checkpoints``, which test_peers.py also inspects, verifies and consolidates.
 """
 
 from __future__ import annotations
