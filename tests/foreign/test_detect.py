@@ -111,3 +111,35 @@ def test_a_lagging_listing_still_finds_the_metadata(tmp_path):
     (tmp_path / ".metadata").unlink()
     storage.calls.clear()
     assert detect(storage) is None
+
+
+@pytest.fixture
+def s3_requests(monkeypatch):
+    """The S3 requests s3fs makes (method names), recorded while ``recording`` holds."""
+    import s3fs
+    from fsspec.asyn import sync_wrapper
+
+    made: list[str] = []
+    original = s3fs.S3FileSystem._call_s3
+
+    async def recorded(self, method, *args, **kwargs):
+        made.append(getattr(method, "__name__", str(method)))
+        return await original(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", recorded)
+    # s3fs binds its sync ``call_s3`` to the original coroutine (see tests/faults/_crash.py).
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", sync_wrapper(recorded))
+    return made
+
+
+@pytest.mark.s3
+def test_opening_a_zerostate_root_on_s3_costs_one_list(s3_server, s3_requests):
+    bucket, options = s3_server.new_bucket("detect")
+    url = f"s3://{bucket}/ckpt"
+    save_tensors(url, 1, {"model/w": torch.arange(4.0)}, storage_options=options)
+    s3_requests.clear()
+    ckpt = sources.open_source(url, options)
+    assert isinstance(ckpt, CheckpointReader)
+    # One listing of the root; no HEAD of .metadata, no second LIST for DeepSpeed.
+    assert s3_requests == ["list_objects_v2"], s3_requests
+    assert torch.equal(ckpt.step().read("model/w"), torch.arange(4.0))
