@@ -147,6 +147,7 @@ def bf16_share(
     """Rank ``rank``'s share of the bf16 global batch of ``size`` samples at ``step``."""
     idx, targets = bf16_global_batch(size, step)
     n = size // world_size
+    assert n * world_size == size, "the global batch must split evenly"
     return idx[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n]
 
 
