@@ -11,15 +11,20 @@ import pytest
 
 from tests.foreign import peers
 
-#: (name, kind, world size, keyword arguments of the writer)
+#: (name, world size, keyword arguments of the writer)
 DEEPSPEED_CASES = [
     ("ds1-fp32-2", 2, {"stage": 1, "bf16": False}),
     ("ds2-fp32-2", 2, {"stage": 2, "bf16": False}),
     ("ds3-fp32-2", 2, {"stage": 3, "bf16": False}),
-    ("ds1-bf16-2", 2, {"stage": 1, "bf16": True}),
-    ("ds3-bf16-2", 2, {"stage": 3, "bf16": True}),
     ("ds2-fp32-4", 4, {"stage": 2, "bf16": False}),
     ("ds3-fp32-4", 4, {"stage": 3, "bf16": False}),
+    # bf16 runs (``peers.write_deepspeed_bf16``) also keep DeepSpeed's losses of the next
+    # steps; test_deepspeed_bf16_continue.py continues them, test_peers.py reads them.
+    ("ds1-bf16-2", 2, {"stage": 1, "bf16": True}),
+    ("ds2-bf16-2", 2, {"stage": 2, "bf16": True}),
+    ("ds3-bf16-2", 2, {"stage": 3, "bf16": True}),
+    ("ds2-bf16-4", 4, {"stage": 2, "bf16": True}),
+    ("ds3-bf16-4", 4, {"stage": 3, "bf16": True}),
 ]
 
 
@@ -31,7 +36,8 @@ class PeerCheckpoints:
         self._made: dict[str, tuple[Path, dict]] = {}
 
     def get(self, name: str) -> tuple[Path, dict, int]:
-        """``(path, {"after": [weights after each next step]}, world size)``."""
+        """``(path, {"after": [weights after each next step]}, world size)``; bf16 runs
+        also give ``"losses"`` (the mean loss of each next step)."""
         if name == "dcp-2":
             kind, world, kw = "dcp", 2, {}
         else:

@@ -91,9 +91,10 @@ def _full_fp32(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def write_deepspeed(rank: int, world_size: int, out: str, stage: int, bf16: bool) -> dict:
-    """Train, save a DeepSpeed checkpoint to ``out`` (tag ``global_step<k>``), then take
-    ``NEXT_STEPS`` more steps; rank 0 returns the fp32 weights after each of them."""
+def write_deepspeed(rank: int, world_size: int, out: str, stage: int) -> dict:
+    """Train in fp32, save a DeepSpeed checkpoint to ``out`` (tag ``global_step<k>``), then
+    take ``NEXT_STEPS`` more steps; rank 0 returns the fp32 weights after each of them.
+    bf16 runs are :func:`write_deepspeed_bf16`."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     import deepspeed
@@ -103,7 +104,7 @@ def write_deepspeed(rank: int, world_size: int, out: str, stage: int, bf16: bool
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config(stage, world_size, bf16),
+        config=ds_config(stage, world_size, bf16=False),
     )
 
     def train(step: int) -> None:
@@ -127,6 +128,72 @@ def write_deepspeed(rank: int, world_size: int, out: str, stage: int, bf16: bool
                 weights[name] = full.detach().float().clone()
         after.append(weights)
     return {"after": after} if rank == 0 else {}
+
+
+#: bf16 runs take 3 samples per DeepSpeed rank: a global batch of 6 (2 ranks) or 12 (4 ranks),
+#: which splits evenly over the world sizes zerostate continues them at (1, 2, 3).
+BF16_MICRO = 3
+
+
+def bf16_global_batch(size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5000 + 31 * step)
+    data = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def bf16_share(
+    rank: int, world_size: int, step: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s share of the bf16 global batch of ``size`` samples at ``step``."""
+    idx, targets = bf16_global_batch(size, step)
+    n = size // world_size
+    assert n * world_size == size, "the global batch must split evenly"
+    return idx[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n]
+
+
+def write_deepspeed_bf16(rank: int, world_size: int, out: str, stage: int) -> dict:
+    """Train ``TRAIN_STEPS`` bf16 steps, save, take ``NEXT_STEPS`` more; every rank returns
+    its losses of the next steps, rank 0 also DeepSpeed's fp32 masters after each."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    size = BF16_MICRO * world_size
+    cfg = ds_config(stage, world_size, bf16=True)
+    cfg.update(train_micro_batch_size_per_gpu=BF16_MICRO, train_batch_size=size)
+    # Stage 3 otherwise replaces torch.nn.functional.linear, process-wide, by a matmul and
+    # a separate bias add, which rounds twice in bf16 (a first-step loss 1.4e-3 away from
+    # torch's fused linear on the same weights): a kernel choice, not checkpoint state.
+    cfg["zero_optimization"]["memory_efficient_linear"] = False
+    model = build_model()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=cfg,
+    )
+
+    def train(step: int) -> float:
+        loss = engine(*bf16_share(rank, world_size, step, size))
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    for step in range(TRAIN_STEPS):
+        train(step)
+    engine.save_checkpoint(out)
+    losses, masters = [], []
+    for step in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS):
+        losses.append(train(step))
+        masters.append(
+            {
+                name: safe_get_full_fp32_param(p).detach().float().clone()
+                for name, p in engine.module.named_parameters()
+                if p.requires_grad
+            }
+        )
+    assert next(engine.module.parameters()).dtype == torch.bfloat16  # it did run in bf16
+    return {"losses": losses, "after": masters if rank == 0 else None}
 
 
 def write_fsdp2_dcp(rank: int, world_size: int, out: str) -> dict:
@@ -170,6 +237,12 @@ def write_fsdp2_dcp(rank: int, world_size: int, out: str) -> dict:
 def generate(kind: str, out: Path, world_size: int, **kw) -> dict:
     from tests.helpers_dist import run_distributed
 
+    kw = dict(kw)
+    if kind == "deepspeed" and kw.pop("bf16", False):
+        ranks = run_distributed(write_deepspeed_bf16, world_size, str(out), **kw, timeout=600)
+        # The loss of a step is the mean over the ranks' micro-batches.
+        losses = [sum(r["losses"][k] for r in ranks) / world_size for k in range(NEXT_STEPS)]
+        return {"after": ranks[0]["after"], "losses": losses}
     fn = write_deepspeed if kind == "deepspeed" else write_fsdp2_dcp
     results = run_distributed(fn, world_size, str(out), **kw, timeout=600)
     return results[0]
@@ -178,7 +251,7 @@ def generate(kind: str, out: Path, world_size: int, **kw) -> dict:
 def zerostate_continue(rank: int, world_size: int, ckpt: str, stage: int, peer_world: int) -> Any:
     """Load a peer's checkpoint into a zerostate engine at ``world_size`` ranks and take
     the peer's next ``NEXT_STEPS`` steps on the same global batches; rank 0 returns the
-    full weights after each step."""
+    full weights as loaded and after each step."""
     import zerostate
 
     model = build_model()
@@ -189,15 +262,27 @@ def zerostate_continue(rank: int, world_size: int, ckpt: str, stage: int, peer_w
         model, stage=stage, lr=0.5, betas=(0.5, 0.5), eps=EPS, weight_decay=0.0
     )
     engine.load(ckpt)
+    loaded = {k: v.detach().float().clone() for k, v in engine.full_state_dict().items()}
     after = []
     for step in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS):
         idx, targets = global_batch(peer_world, step)
         n = idx.shape[0] // world_size
+        assert n * world_size == idx.shape[0], "the peer's global batch must split evenly"
         loss = engine(idx[rank * n : (rank + 1) * n], targets[rank * n : (rank + 1) * n])
         engine.backward(loss)
         engine.step()
         after.append({k: v.detach().float().clone() for k, v in engine.full_state_dict().items()})
-    return {"after": after, "steps": engine.optimizer_steps} if rank == 0 else {}
+    return {"loaded": loaded, "after": after, "steps": engine.optimizer_steps} if rank == 0 else {}
+
+
+def assert_continues(theirs: list[dict], ours: list[dict], tol: float = 1e-5) -> None:
+    """The weights after each next step agree within ``tol`` (the peer may name the tied
+    head ``head.weight``; zerostate keeps it as ``emb.weight``)."""
+    for k, (step_theirs, step_ours) in enumerate(zip(theirs, ours, strict=True)):
+        for key, value in step_theirs.items():
+            mine = step_ours[key if key in step_ours or key != "head.weight" else "emb.weight"]
+            diff = (mine - value).abs().max().item()
+            assert diff <= tol, f"step {k}: {key} differs by {diff}"
 
 
 def zerostate_load_only(rank: int, world_size: int, ckpt: str) -> str:

@@ -25,7 +25,8 @@ def write(rank: int, world_size: int, out: str, writer: str, what: str) -> dict:
     """Train ``peers.TRAIN_STEPS`` AdamW steps, save with ``writer`` ("distcp" or "hf"):
     ``what`` is "fsdp2" (``{"model": ..., "optimizer": ...}`` with the distcp writer, the
     model's sharded state dict with the hf one) or "bare" (a plain model state dict).
-    Rank 0 returns the full tensors that were saved."""
+    Rank 0 returns the full tensors that were saved and, for the distcp FSDP2 case (the one
+    that holds the optimizer), the weights after each of ``peers.NEXT_STEPS`` more steps."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import SerializationFormat
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -56,7 +57,19 @@ def write(rank: int, world_size: int, out: str, writer: str, what: str) -> dict:
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
         for k, v in model_sd.items()
     }
-    return {"model": full} if rank == 0 else {}
+    after = []
+    if what == "fsdp2" and writer == "distcp":
+        # FSDP2 continues itself, uninterrupted: what zerostate must reproduce from the
+        # checkpoint (torch's DCP reader does not read safetensors items, so this run is
+        # the peer's own continuation).
+        for step in range(peers.TRAIN_STEPS, peers.TRAIN_STEPS + peers.NEXT_STEPS):
+            model(*peers.batch(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+            after.append(
+                {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
+            )
+    return {"model": full, "after": after} if rank == 0 else {}
 
 
 def generate(out, world_size: int, writer: str, what: str) -> dict:
@@ -82,7 +95,8 @@ class SafetensorsCheckpoints:
         self._made: dict[str, tuple] = {}
 
     def get(self, name: str) -> tuple:
-        """``(path, {"model": full tensors saved}, world size)``."""
+        """``(path, {"model": full tensors saved, "after": [weights after each next
+        step]}, world size)``."""
         _, writer, what, world = next(c for c in CASES if c[0] == name)
         if name not in self._made:
             out = self.root / name

@@ -7,7 +7,7 @@ zerostate root. Every command and ``engine.load`` open checkpoints through here.
 
 from __future__ import annotations
 
-from zerostate.store.foreign.detect import is_dcp, is_deepspeed
+from zerostate.store.foreign.detect import detect
 from zerostate.store.protocol import CheckpointSource
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.storage import open_storage
@@ -20,11 +20,12 @@ def open_source(
     reader is imported only when the location is that peer's."""
     storage = open_storage(root, storage_options)
     try:
-        if is_dcp(storage):
+        kind = detect(storage)  # one listing of the root
+        if kind == "dcp":
             from zerostate.store.foreign.dcp import DcpCheckpoint
 
             return DcpCheckpoint(storage, num_threads)
-        if is_deepspeed(storage):
+        if kind == "deepspeed":
             from zerostate.store.foreign.deepspeed import DeepSpeedCheckpoint
 
             return DeepSpeedCheckpoint(storage, num_threads)

@@ -413,6 +413,16 @@ class SafetensorsBlob:
         head = memoryview(bytearray(8))
         if self._storage.read_range_into(self._path, self._base, [head]) != 8:
             raise CorruptCheckpointError(f"{self.url}: too short for a safetensors header")
+        if self._base == 0 and bytes(head[:4]) == b"PK\x03\x04":
+            # HuggingFaceStorageWriter given non-tensor state (an optimizer's param_groups)
+            # writes it as torch.save items ahead of the safetensors header and records
+            # nowhere where they end: no reader, torch's own included, can read the file.
+            raise CorruptCheckpointError(
+                f"{self.url}: starts with a torch.save archive, not a safetensors header "
+                "(HuggingFaceStorageWriter given non-tensor state such as an optimizer's "
+                "param_groups writes files no reader can open; save the model state dict "
+                "alone with it, or use FileSystemWriter for model and optimizer)"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_NBYTES or self._base + 8 + n > self._file_size:
             raise CorruptCheckpointError(

@@ -17,16 +17,36 @@ STEP_TAG = re.compile(r"global_step(\d{1,12})")
 OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d{1,6})_mp_rank_00_optim_states\.pt")
 
 
-def is_dcp(storage: Storage) -> bool:
-    """A DCP ``.metadata``, or the safetensors files of torch's ``HuggingFaceStorageWriter``."""
-    if storage.exists(DCP_METADATA):
-        return True
-    return any(HF_FILE.fullmatch(n) or HF_SHARD_FILE.fullmatch(n) for n in storage.list_dir(""))
-
-
-def is_deepspeed(storage: Storage) -> bool:
-    """A DeepSpeed root (``latest`` or a ``global_step*`` tag) or one tag directory."""
+def detect(storage: Storage) -> str | None:
+    """``"dcp"``, ``"deepspeed"`` or None (a zerostate root, or nothing yet) from one
+    listing of the root: on an object store one LIST, where asking for ``.metadata`` first
+    and listing for each peer cost a HEAD and two."""
     names = storage.list_dir("")
+    if is_dcp(storage, names):
+        return "dcp"
+    if is_deepspeed(storage, names):
+        return "deepspeed"
+    return None
+
+
+def is_dcp(storage: Storage, names: list[str] | None = None) -> bool:
+    """A DCP ``.metadata``, or the safetensors files of torch's ``HuggingFaceStorageWriter``.
+    ``names``: the root's listing, where the caller has one."""
+    if names is None:
+        names = storage.list_dir("")
+    if DCP_METADATA in names:
+        return True
+    if any(HF_FILE.fullmatch(n) or HF_SHARD_FILE.fullmatch(n) for n in names):
+        return True
+    # A listing that lags behind writes may not show a .metadata written just now.
+    return not storage.listing_is_consistent and storage.exists(DCP_METADATA)
+
+
+def is_deepspeed(storage: Storage, names: list[str] | None = None) -> bool:
+    """A DeepSpeed root (``latest`` or a ``global_step*`` tag) or one tag directory.
+    ``names``: the root's listing, where the caller has one."""
+    if names is None:
+        names = storage.list_dir("")
     return "latest" in names or any(STEP_TAG.fullmatch(n) for n in names) or is_tag(names)
 
 
