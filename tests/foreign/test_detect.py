@@ -9,7 +9,7 @@ import torch
 from zerostate.store import sources
 from zerostate.store.foreign.detect import detect
 from zerostate.store.local import LocalStorage
-from zerostate.store.reader import CheckpointReader
+from zerostate.store.root import CheckpointRoot
 from zerostate.store.tensors import save_tensors
 
 
@@ -60,7 +60,7 @@ def test_opening_a_zerostate_root_lists_it_once_to_detect(tmp_path, opened):
     root = str(tmp_path / "ckpt")
     save_tensors(root, 3, {"model/w": torch.arange(6.0)})
     ckpt = sources.open_source(root)
-    assert isinstance(ckpt, CheckpointReader)
+    assert isinstance(ckpt, CheckpointRoot)
     (storage,) = opened
     assert storage.calls == [("list", "")]  # no HEAD of .metadata, no second listing
     st = ckpt.step()
@@ -139,7 +139,7 @@ def test_opening_a_zerostate_root_on_s3_costs_one_list(s3_server, s3_requests):
     save_tensors(url, 1, {"model/w": torch.arange(4.0)}, storage_options=options)
     s3_requests.clear()
     ckpt = sources.open_source(url, options)
-    assert isinstance(ckpt, CheckpointReader)
+    assert isinstance(ckpt, CheckpointRoot)
     # One listing of the root; no HEAD of .metadata, no second LIST for DeepSpeed.
     assert s3_requests == ["list_objects_v2"], s3_requests
     assert torch.equal(ckpt.step().read("model/w"), torch.arange(4.0))
