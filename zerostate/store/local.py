@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -31,15 +32,38 @@ class LocalStorage(Storage):
         self.root = root
         self._lock = threading.Lock()
         self._dirty_dirs: set[str] = set()
+        self._real_root_cache: str | None = None
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, *path.split("/")) if path else self.root
 
     def _contained(self, path: str) -> str:
         """``_abs(path)``, refused when links make it resolve outside the root: a hostile
-        checkpoint must not make a reader (or a writer) touch files elsewhere."""
+        checkpoint must not make a reader (or a writer) touch files elsewhere.
+
+        [Note: containment without realpath]
+        Every ranged read comes here, so the common case costs one ``lstat`` per component
+        below the root and nothing for the root itself (resolved once, see
+        :meth:`_real_root`): a path of plain names whose components are none of them links
+        cannot leave the root. A link anywhere below the root, or a ``.``/``..``/empty
+        component, takes the full ``realpath`` check. The root may itself be a link."""
         target = self._abs(path)
-        real_root = os.path.realpath(self.root)
+        names = path.split("/") if path else []
+        real_root = self._real_root()
+        if any(n in ("", ".", "..") for n in names):
+            return self._contained_resolved(target, real_root)
+        cur = real_root
+        for name in names:
+            cur = os.path.join(cur, name)
+            try:
+                mode = os.lstat(cur).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return target  # nothing exists below here: no link to leave the root by
+            if stat.S_ISLNK(mode):
+                return self._contained_resolved(target, real_root)
+        return target
+
+    def _contained_resolved(self, target: str, real_root: str) -> str:
         real = os.path.realpath(target)
         if real != real_root and not real.startswith(real_root + os.sep):
             raise UnsafeNameError(
@@ -47,6 +71,15 @@ class LocalStorage(Storage):
                 "link out of the checkpoint); zerostate does not follow such links"
             )
         return target
+
+    def _real_root(self) -> str:
+        """The resolved root; cached once the root exists (a writer may create it later)."""
+        real = self._real_root_cache
+        if real is None:
+            real = os.path.realpath(self.root)
+            if os.path.isdir(real):
+                self._real_root_cache = real
+        return real
 
     # ------------------------------------------------------------------- checks
     def check_writable(self) -> None:
