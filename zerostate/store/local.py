@@ -215,19 +215,7 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise StorageError(f"reading {target} failed: {exc}") from exc
         try:
-            done, i = 0, 0
-            pending = [p for p in parts if p.nbytes]
-            while i < len(pending):
-                n = os.preadv(fd, pending[i : i + _IOV_BATCH], offset + done)
-                if n == 0:
-                    break  # the object ends early: the caller reports it as truncated
-                done += n
-                while i < len(pending) and n >= pending[i].nbytes:
-                    n -= pending[i].nbytes
-                    i += 1
-                if n:
-                    pending[i] = pending[i][n:]
-            return done
+            return _preadv_all(fd, offset, [p for p in parts if p.nbytes])
         except OSError as exc:
             raise StorageError(f"reading {target} failed: {exc}") from exc
         finally:
@@ -291,3 +279,25 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
             views = views[1:]
         if n:
             views = [views[0][n:], *views[1:]]
+
+
+def _preadv_all(fd: int, offset: int, views: list[memoryview]) -> int:
+    """Fill ``views`` from ``offset`` on with as few ``preadv`` calls as the iovec limit
+    allows; return the bytes read (fewer when the file ends early). A read that fills its
+    whole batch (the usual case) moves on without walking the batch's views."""
+    done, i = 0, 0
+    while i < len(views):
+        batch = views[i : i + _IOV_BATCH]
+        n = os.preadv(fd, batch, offset + done)  # releases the GIL
+        if n == 0:
+            break  # the object ends early: the caller reports it as truncated
+        done += n
+        if n == sum(v.nbytes for v in batch):
+            i += len(batch)
+            continue
+        while n >= views[i].nbytes:  # a short read: resume inside the view it stopped in
+            n -= views[i].nbytes
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    return done
