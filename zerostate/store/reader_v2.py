@@ -262,23 +262,20 @@ class StepReaderV2(StepBase):
                 f"{what} ends early: {got} of {want} bytes at offset {p0 * stored} "
                 "(truncated or overwritten)"
             )
-        stored_crcs = crcs.cast("I")  # little-endian hosts only (see format.py)
-        for k, payload in enumerate(payloads):
-            if isinstance(payload, memoryview):
-                actual = crc32c.crc32c(payload)
-            else:  # a chunk split between asked-for bytes and scratch
-                actual = 0
-                for segment in payload:
-                    actual = crc32c.crc32c(segment, actual)
-            stored_crc = stored_crcs[k]
-            if actual != stored_crc:
-                j = first + k
-                hit = _names(plan.tensors_in_chunk(rank, j))
-                raise CorruptCheckpointError(
-                    f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
-                    f"inner chunk {j}, fails its checksum (crc32c {actual:#010x}, stored "
-                    f"{stored_crc:#010x}): the data is damaged"
-                )
+        stored_crcs = crcs.cast("I").tolist()  # little-endian hosts only (see format.py)
+        check = crc32c.crc32c
+        actual_crcs = [check(p) if type(p) is memoryview else _split_crc32c(p) for p in payloads]
+        if actual_crcs != stored_crcs:
+            k = next(
+                k for k, (a, b) in enumerate(zip(actual_crcs, stored_crcs, strict=True)) if a != b
+            )
+            actual, stored_crc, j = actual_crcs[k], stored_crcs[k], first + k
+            hit = _names(plan.tensors_in_chunk(rank, j))
+            raise CorruptCheckpointError(
+                f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
+                f"inner chunk {j}, fails its checksum (crc32c {actual:#010x}, stored "
+                f"{stored_crc:#010x}): the data is damaged"
+            )
 
     # ------------------------------------------------------------------ verify
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
@@ -447,34 +444,52 @@ def _chunk_parts(
     parts: list[memoryview] = []
     payloads: list[memoryview | tuple[memoryview, ...]] = []
     i, piece = 0, run[0]
-    for k in range(count):
+    k = 0
+    while k < count:
         pos = (first + k) * size
         hi = pos + size
         while piece.hi <= pos:  # the run's last piece ends inside the last chunk
             i += 1
             piece = run[i]
-        if piece.lo <= pos and hi <= piece.hi:  # the common case: one piece covers it
-            view = piece.dest[pos - piece.lo : hi - piece.lo]
-            parts.append(view)
-            payloads.append(view)
-        else:
-            segments = []
-            while pos < hi:
-                while i < len(run) and run[i].hi <= pos:
-                    i += 1
-                if i < len(run) and run[i].lo <= pos:
-                    end = min(run[i].hi, hi)
-                    segments.append(run[i].dest[pos - run[i].lo : end - run[i].lo])
-                else:
-                    end = min(run[i].lo, hi) if i < len(run) else hi
-                    segments.append(memoryview(bytearray(end - pos)))  # not asked for
-                pos = end
-            i = min(i, len(run) - 1)
-            piece = run[i]
-            parts += segments
-            payloads.append(tuple(segments))
+        if piece.lo <= pos and hi <= piece.hi:
+            # The common case: one piece covers this chunk and, usually, many after it.
+            n = min(count - k, (piece.hi - pos) // size)
+            at, dest = pos - piece.lo, piece.dest
+            views = [dest[at + j * size : at + (j + 1) * size] for j in range(n)]
+            payloads += views
+            parts += [
+                x
+                for j, view in enumerate(views, k)
+                for x in (view, crcs[j * CHECKSUM_NBYTES : (j + 1) * CHECKSUM_NBYTES])
+            ]
+            k += n
+            continue
+        segments = []
+        while pos < hi:
+            while i < len(run) and run[i].hi <= pos:
+                i += 1
+            if i < len(run) and run[i].lo <= pos:
+                end = min(run[i].hi, hi)
+                segments.append(run[i].dest[pos - run[i].lo : end - run[i].lo])
+            else:
+                end = min(run[i].lo, hi) if i < len(run) else hi
+                segments.append(memoryview(bytearray(end - pos)))  # not asked for
+            pos = end
+        i = min(i, len(run) - 1)
+        piece = run[i]
+        parts += segments
+        payloads.append(tuple(segments))
         parts.append(crcs[k * CHECKSUM_NBYTES : (k + 1) * CHECKSUM_NBYTES])
+        k += 1
     return parts, payloads, crcs
+
+
+def _split_crc32c(segments: tuple[memoryview, ...]) -> int:
+    """crc32c of a chunk split between asked-for bytes and scratch."""
+    actual = 0
+    for segment in segments:
+        actual = crc32c.crc32c(segment, actual)
+    return actual
 
 
 def _runs(pieces: list[_Piece], inner: int) -> list[list[_Piece]]:
