@@ -23,6 +23,7 @@ from zerostate.partition import chunk_reads
 from zerostate.store import format as fmt
 from zerostate.store import format2
 from zerostate.store import refs as refs_mod
+from zerostate.store.base import RangeReader
 from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
 from zerostate.store.step_base import StepBase
 from zerostate.store.storage import Storage
@@ -188,8 +189,22 @@ class StepReaderV2(StepBase):
                     end = max(end, piece.hi) if piece.lo >= end else end
                 jobs += [(plan, rank, run) for run in _runs(batch, plan.inner)]
                 todo = later
-        self._map(lambda job: self._read_run(*job), jobs)
+        if self._storage.reads_ahead:
+            # One ordered stream per row object ([Note: storage capabilities] in base.py).
+            streams: dict[tuple[str, int], list[tuple]] = {}
+            for job in jobs:
+                streams.setdefault((job[0].name, job[1]), []).append(job)
+            self._map(self._read_stream, list(streams.values()))
+        else:
+            self._map(lambda job: self._read_run(*job), jobs)
         return outs
+
+    def _read_stream(self, jobs: list[tuple[GroupPlan, int, list[_Piece]]]) -> None:
+        """The runs of one row object, in file order, through one handle."""
+        plan, rank = jobs[0][0], jobs[0][1]
+        with self._storage.open_ranges(f"{self._dir}/{row_path(plan.name, rank)}") as handle:
+            for _, _, run in sorted(jobs, key=lambda job: job[2][0].lo):
+                self._read_run(plan, rank, run, handle)
 
     def _read_many_with_refs(self, requests: list[tuple]) -> list[torch.Tensor]:
         """Requests split by the step holding their bytes; results in request order."""
@@ -237,9 +252,12 @@ class StepReaderV2(StepBase):
                     "commit record promises (missing or truncated)"
                 )
 
-    def _read_run(self, plan: GroupPlan, rank: int, run: list[_Piece]) -> None:
+    def _read_run(
+        self, plan: GroupPlan, rank: int, run: list[_Piece], handle: RangeReader | None = None
+    ) -> None:
         """Read the inner chunks under ``run`` (sorted pieces whose chunks are adjacent)
-        with one ranged request, landing piece bytes in place, and verify every chunk."""
+        with one ranged request (through ``handle`` when given), landing piece bytes in
+        place, and verify every chunk."""
         row = self._row(plan, rank)
         url = self._row_url(plan, rank)
         size, stored = plan.inner, plan.stored_chunk_nbytes
@@ -252,9 +270,11 @@ class StepReaderV2(StepBase):
         parts, payloads, crcs = _chunk_parts(run, first, last, size)
         want = (last - first + 1) * stored
         try:
-            got = self._storage.read_range_into(
-                f"{self._dir}/{row_path(plan.name, rank)}", p0 * stored, parts
-            )
+            if handle is not None:
+                got = handle.read_into(p0 * stored, parts)
+            else:
+                path = f"{self._dir}/{row_path(plan.name, rank)}"
+                got = self._storage.read_range_into(path, p0 * stored, parts)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{what} is missing") from None
         if got != want:
