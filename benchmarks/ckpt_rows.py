@@ -163,6 +163,8 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
                      before=drop_caches)
         for w, job in got.items():
             job = _checked(job, saves[w].ranks[0]["eval_loss"])
+            print(f"    {w}: {_load_s(job):.3f} s" if job.ok else f"    {w}: {job.error}",
+                  flush=True)
             if w not in jobs or not job.ok or _load_s(job) < _load_s(jobs[w]):
                 jobs[w] = job
         if r % 2 == 0 and saves["zs"].ok:
@@ -231,7 +233,9 @@ def _load_s(job: Job) -> float:
 
 def _cold_cat(root: Path, procs: int) -> float:
     drop_caches()
-    return _cat_seconds(root, procs)
+    seconds = _cat_seconds(root, procs)
+    print(f"    cat: {seconds:.3f} s", flush=True)
+    return seconds
 
 
 def _cat_seconds(root: Path, procs: int) -> float:
