@@ -296,7 +296,10 @@ class _LocalRanges(RangeReader):
             except OSError as exc:
                 raise StorageError(f"reading {self._target} failed: {exc}") from exc
             if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                try:
+                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                except OSError:
+                    pass  # a hint: a file system that refuses it reads the same bytes
         try:
             return _preadv_all(self._fd, offset, [p for p in parts if p.nbytes])
         except OSError as exc:
