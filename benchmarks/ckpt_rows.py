@@ -14,6 +14,7 @@ from benchmarks.common import (
     MIB,
     MODELS,
     BenchmarkError,
+    Job,
     dd_fsync_seconds,
     drop_caches,
     launch,
@@ -146,10 +147,28 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
         except BenchmarkError as exc:
             errors["ds"] = f"ds_to_universal: {exc}"
     kinds = {"zs": {}, "dcp": {}, "ds": {"universal": True}}
-    print("  load ...", flush=True)
-    jobs = launch([(w, "load", {**common, "contender": w, **kw}) for w, kw in kinds.items()
-                   if w not in errors], nproc=m, batch=opts.quick, timeout=opts.timeout,
-                  verbose=opts.verbose, before=drop_caches)
+    rounds = 1 if opts.quick else opts.rounds
+    jobs: dict[str, Job] = {}
+    cat_times: list[float] = []
+    for r in range(rounds):
+        # Alternating order (cat last, then first), so drift on a shared machine does not
+        # favour one side; each contender keeps its best round, a failure in any round.
+        print(f"  load round {r + 1}/{rounds} ...", flush=True)
+        if r % 2 and saves["zs"].ok:
+            cat_times.append(_cold_cat(base / "zs", m))
+        order = [w for w in (kinds if r % 2 == 0 else reversed(kinds))
+                 if w not in errors and jobs.get(w, Job(w, True, 0)).ok]
+        got = launch([(w, "load", {**common, "contender": w, **kinds[w]}) for w in order],
+                     nproc=m, batch=opts.quick, timeout=opts.timeout, verbose=opts.verbose,
+                     before=drop_caches)
+        for w, job in got.items():
+            job = _checked(job, saves[w].ranks[0]["eval_loss"])
+            print(f"    {w}: {_load_s(job):.3f} s" if job.ok else f"    {w}: {job.error}",
+                  flush=True)
+            if w not in jobs or not job.ok or _load_s(job) < _load_s(jobs[w]):
+                jobs[w] = job
+        if r % 2 == 0 and saves["zs"].ok:
+            cat_times.append(_cold_cat(base / "zs", m))
     if "ds" in errors or not jobs["ds"].ok:
         # Show what does work for DeepSpeed: loading at the world size that saved.
         jobs.update(launch([("ds-same", "load", {**common, "contender": "ds"})],
@@ -180,10 +199,8 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
         rows[2]["ok"], rows[2]["peer_limitation"] = True, rows[2].pop("error")
         rows[2]["error"] = None
     if saves["zs"].ok:
-        drop_caches()
-        cat_s = _cat_seconds(base / "zs", m)
         rows.append(_row(f"cat of zerostate's files, {m} processes (disk speed)", True,
-                         seconds=cat_s))
+                         seconds=min(cat_times)))
     ratios = [r for r in (
         _ratio("load time, zerostate / cat of the same files", rows[0], rows[-1], "seconds",
                None) if saves["zs"].ok else None,
@@ -194,22 +211,58 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
     return {"key": "load", "title": f"Load at another world size ({opts.nproc} -> {m})",
             "setup": f"{size}; read by {m} ranks, page cache dropped before each load "
                      f"(one process group for all with --quick); loaded state checked by "
-                     "the loss on a fixed batch",
+                     f"the loss on a fixed batch; best of {rounds} round(s) in alternating "
+                     "order, the cat included",
             "rows": rows, "ratios": ratios, "notes": notes}
 
 
+def _checked(job: Job, want: float) -> Job:
+    """``job``, failed when any rank's state after the load differs from the saved one."""
+    if not job.ok:
+        return job
+    for r in job.ranks:
+        if abs(r["eval_loss"] - want) > LOSS_TOL:
+            return Job(job.name, False, job.wall_s, error=f"loaded state differs: eval loss "
+                                                            f"{r['eval_loss']} != {want}")
+    return job
+
+
+def _load_s(job: Job) -> float:
+    return max(r["load_s"] for r in job.ranks) if job.ok else float("inf")
+
+
+def _cold_cat(root: Path, procs: int) -> float:
+    drop_caches()
+    seconds = _cat_seconds(root, procs)
+    print(f"    cat: {seconds:.3f} s", flush=True)
+    return seconds
+
+
 def _cat_seconds(root: Path, procs: int) -> float:
-    """``cat`` every file under ``root`` to /dev/null with ``procs`` processes at once."""
+    """``cat`` every file under ``root`` to /dev/null with ``procs`` processes at once, each
+    given about the same bytes (:func:`cat_groups`)."""
     import subprocess
     import time
 
-    files = sorted(str(p) for p in root.rglob("*") if p.is_file())
-    groups = [g for g in (files[i::procs] for i in range(procs)) if g]
+    sizes = {str(p): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+    groups = cat_groups(sizes, procs)
     t0 = time.perf_counter()
     running = [subprocess.Popen(["cat", *g], stdout=subprocess.DEVNULL) for g in groups]
     if any(p.wait() for p in running):
         raise BenchmarkError(f"cat of {root} failed")
     return time.perf_counter() - t0
+
+
+def cat_groups(sizes: dict[str, int], procs: int) -> list[list[str]]:
+    """Files for each of ``procs`` processes, largest first to the least loaded: the disk
+    speed baseline must not leave a process idle while another reads two row objects (a
+    round-robin split of the sorted names gave one of three processes no row at all)."""
+    loads = [[0, i, []] for i in range(procs)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        least = min(loads)
+        least[0] += sizes[name]
+        least[2].append(name)
+    return [sorted(g) for _, _, g in sorted(loads, key=lambda x: x[1]) if g]
 
 
 def _consolidate_section(opts: Any, saves: dict, base: Path, size: str) -> dict:

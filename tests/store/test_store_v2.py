@@ -11,7 +11,7 @@ from _store_helpers import make_tensors
 
 from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
 from zerostate.partition import even_layout
-from zerostate.store import StepWriter, open_checkpoint, plan_specs, save_tensors
+from zerostate.store import StepWriter, local, open_checkpoint, plan_specs, save_tensors
 from zerostate.store.format import COMMIT_PATH
 from zerostate.store.storage import LocalStorage
 
@@ -145,14 +145,14 @@ def _amplification(root, tensors, monkeypatch, new_world_size: int) -> float:
     """Bytes the storage layer returns for every new rank loading its even share of every
     tensor, over the bytes those shares hold."""
     returned = []
-    original = LocalStorage.read_range_into
+    original = local._preadv_all  # under every ranged read, with or without a handle
 
-    def counting(self, path, offset, parts):
-        got = original(self, path, offset, parts)
+    def counting(fd, offset, parts):
+        got = original(fd, offset, parts)
         returned.append(got)
         return got
 
-    monkeypatch.setattr(LocalStorage, "read_range_into", counting)
+    monkeypatch.setattr(local, "_preadv_all", counting)
     st = open_checkpoint(str(root)).step(1)
     needed = 0
     for rank in range(new_world_size):  # each new rank reads all its ranges in one call
@@ -164,7 +164,7 @@ def _amplification(root, tensors, monkeypatch, new_world_size: int) -> float:
         outs = st.read_many(requests)
         for (name, lo, hi, _), out in zip(requests, outs, strict=True):
             assert torch.equal(out, tensors[name].reshape(-1)[lo:hi]), name
-    monkeypatch.setattr(LocalStorage, "read_range_into", original)
+    monkeypatch.setattr(local, "_preadv_all", original)
     return sum(returned) / needed
 
 

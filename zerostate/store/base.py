@@ -30,6 +30,11 @@ the backend's class or URL scheme:
   objects it waits for instead of listing them.
 - ``is_object_store``: a bucket-based service (S3 and friends): the bucket must exist
   before anything is written, and requests are slow enough to batch.
+- ``reads_ahead``: ranged reads of one object in ascending order through one
+  :meth:`Storage.open_ranges` handle are read ahead by the backend (local disk: the
+  kernel's readahead, asked for with ``POSIX_FADV_SEQUENTIAL``), so a reader gains more from
+  one ordered stream per object than from spreading the object's ranges over threads;
+  without it (object stores) each range is its own request, best issued concurrently.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class Storage(ABC):
     supports_multipart: bool = False
     listing_is_consistent: bool = True
     is_object_store: bool = False
+    reads_ahead: bool = False
 
     #: Retries of transient failures (see [Note: storage retries] in ``retry.py``).
     retry_policy: RetryPolicy = RetryPolicy()
@@ -111,6 +117,7 @@ class Storage(ABC):
             "supports_multipart",
             "listing_is_consistent",
             "is_object_store",
+            "reads_ahead",
         )
         return {n: bool(getattr(self, n)) for n in names}
 
@@ -159,6 +166,13 @@ class Storage(ABC):
         only these bytes."""
         nbytes = sum(p.nbytes for p in parts)
         return scatter(memoryview(self.read(path, ByteRange(offset, offset + nbytes))), parts)
+
+    def open_ranges(self, path: str) -> RangeReader:
+        """A handle for several ranged reads of the object at ``path`` by one thread,
+        usually in ascending order (see ``reads_ahead``); a context manager. Its
+        ``read_into(offset, parts)`` is :meth:`read_range_into`; ``FileNotFoundError``
+        comes from the first read, not from opening the handle."""
+        return RangeReader(self, path)
 
     def _read_range(self, path: str, byte_range: ByteRange) -> bytes:
         """``read(path, byte_range)`` for backends whose primitive is ``read_range_into``."""
@@ -239,6 +253,26 @@ class Storage(ABC):
         if attempts is not None and attempts != policy.attempts:
             policy = RetryPolicy(attempts, policy.first_delay_s, policy.factor, policy.max_delay_s)
         return policy.call(what, self.url_of(path), fn)
+
+
+class RangeReader:
+    """Ranged reads of one object (:meth:`Storage.open_ranges`); this default makes each
+    read its own :meth:`Storage.read_range_into` request. Not shared between threads."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+
+    def read_into(self, offset: int, parts: Sequence[memoryview]) -> int:
+        return self.storage.read_range_into(self.path, offset, parts)
+
+    def close(self) -> None:
+        return None  # nothing held between reads
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def scatter(data: memoryview, parts: Sequence[memoryview]) -> int:

@@ -23,6 +23,7 @@ from zerostate.partition import chunk_reads
 from zerostate.store import format as fmt
 from zerostate.store import format2
 from zerostate.store import refs as refs_mod
+from zerostate.store.base import RangeReader
 from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
 from zerostate.store.step_base import StepBase
 from zerostate.store.storage import Storage
@@ -188,8 +189,22 @@ class StepReaderV2(StepBase):
                     end = max(end, piece.hi) if piece.lo >= end else end
                 jobs += [(plan, rank, run) for run in _runs(batch, plan.inner)]
                 todo = later
-        self._map(lambda job: self._read_run(*job), jobs)
+        if self._storage.reads_ahead:
+            # One ordered stream per row object ([Note: storage capabilities] in base.py).
+            streams: dict[tuple[str, int], list[tuple]] = {}
+            for job in jobs:
+                streams.setdefault((job[0].name, job[1]), []).append(job)
+            self._map(self._read_stream, list(streams.values()))
+        else:
+            self._map(lambda job: self._read_run(*job), jobs)
         return outs
+
+    def _read_stream(self, jobs: list[tuple[GroupPlan, int, list[_Piece]]]) -> None:
+        """The runs of one row object, in file order, through one handle."""
+        plan, rank = jobs[0][0], jobs[0][1]
+        with self._storage.open_ranges(f"{self._dir}/{row_path(plan.name, rank)}") as handle:
+            for _, _, run in sorted(jobs, key=lambda job: job[2][0].lo):
+                self._read_run(plan, rank, run, handle)
 
     def _read_many_with_refs(self, requests: list[tuple]) -> list[torch.Tensor]:
         """Requests split by the step holding their bytes; results in request order."""
@@ -237,9 +252,12 @@ class StepReaderV2(StepBase):
                     "commit record promises (missing or truncated)"
                 )
 
-    def _read_run(self, plan: GroupPlan, rank: int, run: list[_Piece]) -> None:
+    def _read_run(
+        self, plan: GroupPlan, rank: int, run: list[_Piece], handle: RangeReader | None = None
+    ) -> None:
         """Read the inner chunks under ``run`` (sorted pieces whose chunks are adjacent)
-        with one ranged request, landing piece bytes in place, and verify every chunk."""
+        with one ranged request (through ``handle`` when given), landing piece bytes in
+        place, and verify every chunk."""
         row = self._row(plan, rank)
         url = self._row_url(plan, rank)
         size, stored = plan.inner, plan.stored_chunk_nbytes
@@ -252,9 +270,11 @@ class StepReaderV2(StepBase):
         parts, payloads, crcs = _chunk_parts(run, first, last, size)
         want = (last - first + 1) * stored
         try:
-            got = self._storage.read_range_into(
-                f"{self._dir}/{row_path(plan.name, rank)}", p0 * stored, parts
-            )
+            if handle is not None:
+                got = handle.read_into(p0 * stored, parts)
+            else:
+                path = f"{self._dir}/{row_path(plan.name, rank)}"
+                got = self._storage.read_range_into(path, p0 * stored, parts)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{what} is missing") from None
         if got != want:
@@ -262,23 +282,20 @@ class StepReaderV2(StepBase):
                 f"{what} ends early: {got} of {want} bytes at offset {p0 * stored} "
                 "(truncated or overwritten)"
             )
-        stored_crcs = crcs.cast("I")  # little-endian hosts only (see format.py)
-        for k, payload in enumerate(payloads):
-            if isinstance(payload, memoryview):
-                actual = crc32c.crc32c(payload)
-            else:  # a chunk split between asked-for bytes and scratch
-                actual = 0
-                for segment in payload:
-                    actual = crc32c.crc32c(segment, actual)
-            stored_crc = stored_crcs[k]
-            if actual != stored_crc:
-                j = first + k
-                hit = _names(plan.tensors_in_chunk(rank, j))
-                raise CorruptCheckpointError(
-                    f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
-                    f"inner chunk {j}, fails its checksum (crc32c {actual:#010x}, stored "
-                    f"{stored_crc:#010x}): the data is damaged"
-                )
+        stored_crcs = crcs.cast("I").tolist()  # little-endian hosts only (see format.py)
+        check = crc32c.crc32c
+        actual_crcs = [check(p) if type(p) is memoryview else _split_crc32c(p) for p in payloads]
+        if actual_crcs != stored_crcs:
+            k = next(
+                k for k, (a, b) in enumerate(zip(actual_crcs, stored_crcs, strict=True)) if a != b
+            )
+            actual, stored_crc, j = actual_crcs[k], stored_crcs[k], first + k
+            hit = _names(plan.tensors_in_chunk(rank, j))
+            raise CorruptCheckpointError(
+                f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
+                f"inner chunk {j}, fails its checksum (crc32c {actual:#010x}, stored "
+                f"{stored_crc:#010x}): the data is damaged"
+            )
 
     # ------------------------------------------------------------------ verify
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
@@ -447,34 +464,52 @@ def _chunk_parts(
     parts: list[memoryview] = []
     payloads: list[memoryview | tuple[memoryview, ...]] = []
     i, piece = 0, run[0]
-    for k in range(count):
+    k = 0
+    while k < count:
         pos = (first + k) * size
         hi = pos + size
         while piece.hi <= pos:  # the run's last piece ends inside the last chunk
             i += 1
             piece = run[i]
-        if piece.lo <= pos and hi <= piece.hi:  # the common case: one piece covers it
-            view = piece.dest[pos - piece.lo : hi - piece.lo]
-            parts.append(view)
-            payloads.append(view)
-        else:
-            segments = []
-            while pos < hi:
-                while i < len(run) and run[i].hi <= pos:
-                    i += 1
-                if i < len(run) and run[i].lo <= pos:
-                    end = min(run[i].hi, hi)
-                    segments.append(run[i].dest[pos - run[i].lo : end - run[i].lo])
-                else:
-                    end = min(run[i].lo, hi) if i < len(run) else hi
-                    segments.append(memoryview(bytearray(end - pos)))  # not asked for
-                pos = end
-            i = min(i, len(run) - 1)
-            piece = run[i]
-            parts += segments
-            payloads.append(tuple(segments))
+        if piece.lo <= pos and hi <= piece.hi:
+            # The common case: one piece covers this chunk and, usually, many after it.
+            n = min(count - k, (piece.hi - pos) // size)
+            at, dest = pos - piece.lo, piece.dest
+            views = [dest[at + j * size : at + (j + 1) * size] for j in range(n)]
+            payloads += views
+            parts += [
+                x
+                for j, view in enumerate(views, k)
+                for x in (view, crcs[j * CHECKSUM_NBYTES : (j + 1) * CHECKSUM_NBYTES])
+            ]
+            k += n
+            continue
+        segments = []
+        while pos < hi:
+            while i < len(run) and run[i].hi <= pos:
+                i += 1
+            if i < len(run) and run[i].lo <= pos:
+                end = min(run[i].hi, hi)
+                segments.append(run[i].dest[pos - run[i].lo : end - run[i].lo])
+            else:
+                end = min(run[i].lo, hi) if i < len(run) else hi
+                segments.append(memoryview(bytearray(end - pos)))  # not asked for
+            pos = end
+        i = min(i, len(run) - 1)
+        piece = run[i]
+        parts += segments
+        payloads.append(tuple(segments))
         parts.append(crcs[k * CHECKSUM_NBYTES : (k + 1) * CHECKSUM_NBYTES])
+        k += 1
     return parts, payloads, crcs
+
+
+def _split_crc32c(segments: tuple[memoryview, ...]) -> int:
+    """crc32c of a chunk split between asked-for bytes and scratch."""
+    actual = 0
+    for segment in segments:
+        actual = crc32c.crc32c(segment, actual)
+    return actual
 
 
 def _runs(pieces: list[_Piece], inner: int) -> list[list[_Piece]]:

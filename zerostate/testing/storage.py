@@ -27,6 +27,7 @@ FLAGS = (
     "supports_multipart",
     "listing_is_consistent",
     "is_object_store",
+    "reads_ahead",
 )
 
 _DATA = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, every byte value
@@ -167,6 +168,19 @@ class StorageTests:
             storage.read("r/nope", ByteRange(0, 4))
         with pytest.raises(FileNotFoundError):
             storage.read_range_into("r/nope", 0, [memoryview(bytearray(4))])
+
+    def test_open_ranges_reads_several_ranges_of_one_object(self, storage):
+        storage.check_writable()
+        self.put(storage, "r/obj", _DATA)
+        n = len(_DATA)
+        with storage.open_ranges("r/obj") as handle:
+            for start, stop in [(0, 10), (10, 300), (5000, 5001), (n - 4, n + 6), (2, 3)]:
+                buf = bytearray(stop - start)
+                got = handle.read_into(start, [memoryview(buf)[:1], memoryview(buf)[1:]])
+                assert got == min(stop, n) - start
+                assert bytes(buf[:got]) == _DATA[start:stop]
+        with storage.open_ranges("r/nope") as handle, pytest.raises(FileNotFoundError):
+            handle.read_into(0, [memoryview(bytearray(4))])
 
     def test_byte_range_is_validated(self, storage):
         for bad in [(-1, 4), (5, 4), (1.5, 3), (True, 3), (0, "9")]:

@@ -1,0 +1,101 @@
+"""Local ranged reads land every byte in place however the kernel splits them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from zerostate.store import local
+from zerostate.store.local import LocalStorage
+
+
+def _views(sizes):
+    return [memoryview(bytearray(n)) for n in sizes]
+
+
+@pytest.mark.parametrize("limit", [1, 5, 7, 1000, None])
+def test_short_preadv_results_resume_where_they_stopped(tmp_path, monkeypatch, limit):
+    data = bytes(range(256)) * 40
+    (tmp_path / "obj").write_bytes(data)
+    storage = LocalStorage(str(tmp_path))
+    real = os.preadv
+    calls = []
+
+    def short(fd, buffers, offset):
+        """What a kernel may do: fill only the first ``limit`` bytes of the request."""
+        calls.append(len(buffers))
+        if limit is None:
+            return real(fd, buffers, offset)
+        scratch = bytearray(min(limit, sum(b.nbytes for b in buffers)))
+        n = real(fd, [scratch], offset)
+        pos = 0
+        for b in buffers:
+            take = min(b.nbytes, n - pos)
+            b[:take] = scratch[pos : pos + take]
+            pos += take
+            if pos == n:
+                break
+        return n
+
+    monkeypatch.setattr(local.os, "preadv", short)
+    monkeypatch.setattr(local, "_IOV_BATCH", 4)
+    sizes = [3, 0, 16, 1, 250, 4, 4, 4, 9, 0, 2000, 13]
+    parts = _views(sizes)
+    got = storage.read_range_into("obj", 123, parts)
+    assert got == sum(sizes)
+    assert b"".join(bytes(p) for p in parts) == data[123 : 123 + sum(sizes)]
+    assert max(calls) <= 4
+    if limit is None:  # whole batches: one call per batch of non-empty views
+        assert len(calls) == 3
+
+
+def test_a_read_past_the_end_stops_at_the_end(tmp_path):
+    (tmp_path / "obj").write_bytes(b"0123456789")
+    storage = LocalStorage(str(tmp_path))
+    parts = _views([4, 4, 4])
+    assert storage.read_range_into("obj", 3, parts) == 7
+    assert b"".join(bytes(p) for p in parts) == b"3456789" + bytes(5)
+
+
+def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monkeypatch):
+    import torch
+    from _store_helpers import make_tensors
+
+    from zerostate.partition import even_layout
+    from zerostate.store import open_checkpoint, save_tensors
+
+    tensors = make_tensors()
+    save_tensors(str(tmp_path), 1, tensors, world_size=2, min_shard_numel=8)
+    opened, reads, hints, path_of = [], [], [], {}
+    real_open, real_preadv = os.open, local._preadv_all
+
+    def open_(path, *args, **kwargs):
+        fd = real_open(path, *args, **kwargs)
+        opened.append(path)
+        path_of[fd] = path  # fd numbers are reused once closed
+        return fd
+
+    monkeypatch.setattr(local.os, "open", open_)
+    monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, o, n, advice: hints.append(advice))
+    monkeypatch.setattr(local, "_preadv_all", lambda fd, o, v: reads.append((path_of[fd], o)) or
+                        real_preadv(fd, o, v))  # fmt: skip
+    st = open_checkpoint(str(tmp_path)).step(1)
+    for rank in range(3):
+        opened.clear(), reads.clear(), hints.clear()
+        requests = []
+        for name, info in st.tensors.items():
+            lo, hi = even_layout(info.numel, 3).owned_range(rank)
+            requests.append((name, lo, hi, None))
+        outs = st.read_many(requests)
+        for (name, lo, hi, _), out in zip(requests, outs, strict=True):
+            assert torch.equal(out, tensors[name].reshape(-1)[lo:hi]), name
+        rows = [p for p in opened if "/c/" in p]
+        assert rows and len(rows) == len(set(rows)), rows  # each row object opened once
+        assert hints == [os.POSIX_FADV_SEQUENTIAL] * len(rows)
+        by_row: dict[str, list[int]] = {}
+        for path, offset in reads:
+            by_row.setdefault(path, []).append(offset)
+        assert set(by_row) == set(rows)
+        assert all(offsets == sorted(offsets) for offsets in by_row.values()), by_row
+    st.close()
