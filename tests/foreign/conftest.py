@@ -66,3 +66,19 @@ def run_cli(*argv: str) -> SimpleNamespace:
         except SystemExit as exc:
             code = exc.code
     return SimpleNamespace(returncode=int(code or 0), stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def assert_reshards_to_format2(path: Path, out: Path, world_size: int = 3) -> None:
+    """``zerostate reshard`` of the peer checkpoint at ``path`` writes a format-2 step for
+    ``world_size`` ranks holding exactly the tensors the peer's step holds."""
+    import torch
+
+    from zerostate.store.sources import open_source
+
+    done = run_cli("reshard", str(path), str(out), "--world-size", str(world_size))
+    assert done.returncode == 0, done.stderr
+    src, dst = open_source(str(path)).step(), open_source(str(out)).step()
+    assert dst.format_version == 2 and dst.world_size == world_size
+    assert set(dst.tensors) == set(src.tensors)
+    for key in src.tensors:
+        assert torch.equal(dst.read(key), src.read(key)), key

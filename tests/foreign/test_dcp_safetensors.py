@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.foreign import peers
-from tests.foreign.conftest import run_cli
+from tests.foreign.conftest import assert_reshards_to_format2, run_cli
 from tests.foreign.peers_safetensors import CASES, SafetensorsCheckpoints, zerostate_load
 from tests.helpers_dist import run_distributed
 from zerostate.store.sources import open_source
@@ -66,14 +66,7 @@ def test_inspect_verify_reshard(safetensors_checkpoints, tmp_path, name):
     if name.startswith("distcp"):  # the optimizer state is there too
         assert "optim/exp_avg_sq/out.bias" in shown.stdout
     assert run_cli("verify", str(path)).returncode == 0
-    out = tmp_path / "resharded"
-    done = run_cli("reshard", str(path), str(out), "--world-size", "3")
-    assert done.returncode == 0, done.stderr
-    src, dst = open_source(str(path)).step(), open_source(str(out)).step()
-    assert dst.format_version == 2 and dst.world_size == 3
-    assert set(dst.tensors) == set(src.tensors)
-    for key in src.tensors:
-        assert torch.equal(dst.read(key), src.read(key)), key
+    assert_reshards_to_format2(path, tmp_path / "resharded")
 
 
 def _largest(root: Path) -> Path:

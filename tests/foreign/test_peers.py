@@ -12,9 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.foreign import peers
-from tests.foreign.conftest import DEEPSPEED_CASES, run_cli
+from tests.foreign.conftest import DEEPSPEED_CASES, assert_reshards_to_format2, run_cli
 from tests.helpers_dist import run_distributed
-from zerostate.store.sources import open_source
 
 ALL = [c[0] for c in DEEPSPEED_CASES] + ["dcp-2"]
 
@@ -66,14 +65,7 @@ def test_inspect_verify_reshard(peer_checkpoints, tmp_path, name):
     assert "optim/exp_avg_sq/out.bias" in shown.stdout
     checked = run_cli("verify", str(path))
     assert checked.returncode == 0, checked.stderr
-    out = tmp_path / "resharded"
-    done = run_cli("reshard", str(path), str(out), "--world-size", "3")
-    assert done.returncode == 0, done.stderr
-    src, dst = open_source(str(path)).step(), open_source(str(out)).step()
-    assert dst.format_version == 2 and dst.world_size == 3
-    assert set(dst.tensors) == set(src.tensors)
-    for key in src.tensors:
-        assert torch.equal(dst.read(key), src.read(key)), key
+    assert_reshards_to_format2(path, tmp_path / "resharded")
 
 
 @pytest.mark.parametrize("name", ["ds2-fp32-2", "dcp-2"])
