@@ -50,6 +50,40 @@ def test_short_preadv_results_resume_where_they_stopped(tmp_path, monkeypatch, l
         assert len(calls) == 3
 
 
+@pytest.mark.parametrize("limit", [3, 100, None])
+@pytest.mark.parametrize("read_slice", [1, 64, 1000])
+def test_no_read_moves_more_than_a_slice(tmp_path, monkeypatch, limit, read_slice):
+    """[Note: read size]: views larger than a slice are cut, several small ones share one."""
+    data = os.urandom(9000)
+    (tmp_path / "obj").write_bytes(data)
+    storage = LocalStorage(str(tmp_path))
+    real, calls = os.preadv, []
+
+    def counted(fd, buffers, offset):
+        calls.append(sum(b.nbytes for b in buffers))
+        if limit is None or calls[-1] <= limit:
+            return real(fd, buffers, offset)
+        scratch = bytearray(limit)
+        n = real(fd, [scratch], offset)
+        pos = 0
+        for b in buffers:
+            take = min(b.nbytes, n - pos)
+            b[:take] = scratch[pos : pos + take]
+            pos += take
+        return n
+
+    monkeypatch.setattr(local.os, "preadv", counted)
+    monkeypatch.setattr(local, "_READ_SLICE", read_slice)
+    sizes = [1, 2500, 7, 7, 7, 64, 65, 3000, 1]
+    parts = _views(sizes)
+    assert storage.read_range_into("obj", 17, parts) == sum(sizes)
+    assert b"".join(bytes(p) for p in parts) == data[17 : 17 + sum(sizes)]
+    assert max(calls) <= read_slice
+    if limit is None and read_slice == 1000:
+        # 1 + 999 | 1000 | 501 + 7 + 7 + 7 + 64 + 65 + 349 | 1000 | 1000 | 651 + 1
+        assert calls == [1000, 1000, 1000, 1000, 1000, 652]
+
+
 def test_a_read_past_the_end_stops_at_the_end(tmp_path):
     (tmp_path / "obj").write_bytes(b"0123456789")
     storage = LocalStorage(str(tmp_path))
@@ -59,6 +93,10 @@ def test_a_read_past_the_end_stops_at_the_end(tmp_path):
 
 
 def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monkeypatch):
+    """[Note: local read order]: one thread, one object after another, each in file
+    order, through one descriptor, with no readahead hint."""
+    import threading
+
     import torch
     from _store_helpers import make_tensors
 
@@ -78,8 +116,8 @@ def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monke
 
     monkeypatch.setattr(local.os, "open", open_)
     monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, o, n, advice: hints.append(advice))
-    monkeypatch.setattr(local, "_preadv_all", lambda fd, o, v: reads.append((path_of[fd], o)) or
-                        real_preadv(fd, o, v))  # fmt: skip
+    monkeypatch.setattr(local, "_preadv_all", lambda fd, o, v: reads.append(
+        (path_of[fd], o, threading.get_ident())) or real_preadv(fd, o, v))  # fmt: skip
     st = open_checkpoint(str(tmp_path)).step(1)
     for rank in range(3):
         opened.clear(), reads.clear(), hints.clear()
@@ -92,10 +130,13 @@ def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monke
             assert torch.equal(out, tensors[name].reshape(-1)[lo:hi]), name
         rows = [p for p in opened if "/c/" in p]
         assert rows and len(rows) == len(set(rows)), rows  # each row object opened once
-        assert hints == [os.POSIX_FADV_SEQUENTIAL] * len(rows)
+        assert hints == []
         by_row: dict[str, list[int]] = {}
-        for path, offset in reads:
+        for path, offset, _ in reads:
             by_row.setdefault(path, []).append(offset)
         assert set(by_row) == set(rows)
         assert all(offsets == sorted(offsets) for offsets in by_row.values()), by_row
+        order = [path for i, (path, _, _) in enumerate(reads) if i == 0 or reads[i - 1][0] != path]
+        assert len(order) == len(rows), order  # no object is left and come back to
+        assert {thread for _, _, thread in reads} == {threading.get_ident()}
     st.close()

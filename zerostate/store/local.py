@@ -3,7 +3,9 @@ positioned vector reads. See [Note: durability] in ``base.py``."""
 
 from __future__ import annotations
 
+import bisect
 import errno
+import itertools
 import os
 import shutil
 import stat
@@ -14,6 +16,8 @@ from zerostate.errors import CheckpointNotFoundError, StorageError, UnsafeNameEr
 from zerostate.store.base import Buffer, ByteRange, RangeReader, Storage
 
 _IOV_BATCH = 512  # below every platform's IOV_MAX
+#: Bytes one positioned read moves at most ([Note: read size]).
+_READ_SLICE = 128 << 10
 _WRITE_SLICE = 64 << 20  # os.write moves at most ~2 GiB per call; slices keep calls short
 _NOT_FOUND = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
 
@@ -277,8 +281,8 @@ class LocalStorage(Storage):
 
 class _LocalRanges(RangeReader):
     """One file descriptor for all of a reader's ranges of one object, opened (and its
-    path checked) at the first read and hinted sequential: reads in ascending order then
-    find the kernel's readahead in flight instead of each waiting for its own request."""
+    path checked) at the first read: reads in ascending order then find the kernel's
+    readahead in flight instead of each waiting for its own request."""
 
     def __init__(self, storage: LocalStorage, path: str) -> None:
         super().__init__(storage, path)
@@ -295,11 +299,6 @@ class _LocalRanges(RangeReader):
                 raise FileNotFoundError(errno.ENOENT, "not found", self._target) from exc
             except OSError as exc:
                 raise StorageError(f"reading {self._target} failed: {exc}") from exc
-            if hasattr(os, "posix_fadvise"):
-                try:
-                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                except OSError:
-                    pass  # a hint: a file system that refuses it reads the same bytes
         try:
             return _preadv_all(self._fd, offset, [p for p in parts if p.nbytes])
         except OSError as exc:
@@ -322,22 +321,37 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
 
 
 def _preadv_all(fd: int, offset: int, views: list[memoryview]) -> int:
-    """Fill ``views`` from ``offset`` on with as few ``preadv`` calls as the iovec limit
-    allows; return the bytes read (fewer when the file ends early). A read that fills its
-    whole batch (the usual case) moves on without walking the batch's views."""
+    """Fill ``views`` from ``offset`` on; return the bytes read (fewer when the file ends
+    early). Each call moves at most ``_READ_SLICE`` bytes into at most ``_IOV_BATCH`` views.
+
+    [Note: read size]
+    A cold read goes faster in 128 KiB calls than in one call per run. Measured with 3
+    processes on a cold page cache: reading the files ``cat`` reads, in the way ``cat``
+    splits them, took 1.5x ``cat``'s time with one ``preadv`` per file and 0.96x with 128
+    KiB calls; the reads of a 2 -> 3 resharding load took 1.32x with 128 KiB calls and
+    1.59x with whole runs, and 256 KiB and 512 KiB calls were slower than 64-128 KiB. A
+    small call returns as soon as its pages arrive, and the kernel reads ahead while the
+    caller copies and checks them; a large one waits for all of its pages first. The
+    ``POSIX_FADV_SEQUENTIAL`` hint, which doubles the readahead window, made the same
+    load slower (median 0.12 s against 0.10 s) and is not given."""
+    cap = _READ_SLICE
+    ends = list(itertools.accumulate(v.nbytes for v in views))
+    total, count = (ends[-1] if ends else 0), len(views)
     done, i = 0, 0
-    while i < len(views):
-        batch = views[i : i + _IOV_BATCH]
+    while done < total:
+        head = done - (ends[i] - views[i].nbytes)  # bytes of views[i] already filled
+        hi = min(count, i + _IOV_BATCH)
+        j = bisect.bisect_right(ends, done + cap, i, hi)  # views[i:j] end inside the slice
+        batch, want = views[i:j], (ends[j - 1] - done if j > i else 0)
+        if batch and head:
+            batch[0] = batch[0][head:]
+        if want < cap and j < hi:  # the start of the next view fills up the slice
+            start = head if j == i else 0
+            batch.append(views[j][start : start + cap - want])
+            want += batch[-1].nbytes
         n = os.preadv(fd, batch, offset + done)  # releases the GIL
         if n == 0:
             break  # the object ends early: the caller reports it as truncated
         done += n
-        if n == sum(v.nbytes for v in batch):
-            i += len(batch)
-            continue
-        while n >= views[i].nbytes:  # a short read: resume inside the view it stopped in
-            n -= views[i].nbytes
-            i += 1
-        if n:
-            views[i] = views[i][n:]
+        i = bisect.bisect_right(ends, done, i)  # the first view not yet full
     return done

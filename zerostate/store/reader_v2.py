@@ -190,17 +190,30 @@ class StepReaderV2(StepBase):
                 jobs += [(plan, rank, run) for run in _runs(batch, plan.inner)]
                 todo = later
         if self._storage.reads_ahead:
-            # One ordered stream per row object ([Note: storage capabilities] in base.py).
+            # One ordered stream per row object, the objects one after the other in this
+            # thread ([Note: local read order]).
             streams: dict[tuple[str, int], list[tuple]] = {}
             for job in jobs:
                 streams.setdefault((job[0].name, job[1]), []).append(job)
-            self._map(self._read_stream, list(streams.values()))
+            for stream in streams.values():
+                self._read_stream(stream)
         else:
             self._map(lambda job: self._read_run(*job), jobs)
         return outs
 
     def _read_stream(self, jobs: list[tuple[GroupPlan, int, list[_Piece]]]) -> None:
-        """The runs of one row object, in file order, through one handle."""
+        """The runs of one row object, in file order, through one handle.
+
+        [Note: local read order]
+        On a backend that reads ahead (local disk) a rank reads its row objects one after
+        the other, each in file order, and checks each run's chunks as it goes; the
+        kernel's readahead keeps the disk busy meanwhile. Measured on 2 -> 3 resharding
+        loads (3 ranks on 2 cores, cold page cache, a 128 MB Llama checkpoint), this beat
+        one thread per row object (0.10 s against 0.12-0.14 s median): streams of one rank
+        read at once interleave their requests, and the disk serves that slower than the
+        same requests object by object. Checking the chunks on a second thread was slower
+        still (it and the reads contend for the interpreter lock), and leaving the checks
+        out saved nothing measurable: they run while the readahead is in flight."""
         plan, rank = jobs[0][0], jobs[0][1]
         with self._storage.open_ranges(f"{self._dir}/{row_path(plan.name, rank)}") as handle:
             for _, _, run in sorted(jobs, key=lambda job: job[2][0].lo):
