@@ -32,8 +32,8 @@ the backend's class or URL scheme:
   before anything is written, and requests are slow enough to batch.
 - ``reads_ahead``: ranged reads of one object in ascending order through one
   :meth:`Storage.open_ranges` handle are read ahead by the backend (local disk: the
-  kernel's readahead), so a reader gains more from ordered streams, one object after
-  another, than from spreading the ranges over threads ([Note: local read order] in
+  kernel's readahead), so a reader gains more from one ordered stream per object than
+  from spreading the object's ranges over threads ([Note: local read order] in
   ``reader_v2.py``); without it (object stores) each range is its own request, best
   issued concurrently.
 """

@@ -190,13 +190,11 @@ class StepReaderV2(StepBase):
                 jobs += [(plan, rank, run) for run in _runs(batch, plan.inner)]
                 todo = later
         if self._storage.reads_ahead:
-            # One ordered stream per row object, the objects one after the other in this
-            # thread ([Note: local read order]).
+            # One ordered stream per row object ([Note: local read order]).
             streams: dict[tuple[str, int], list[tuple]] = {}
             for job in jobs:
                 streams.setdefault((job[0].name, job[1]), []).append(job)
-            for stream in streams.values():
-                self._read_stream(stream)
+            self._map(self._read_stream, list(streams.values()))
         else:
             self._map(lambda job: self._read_run(*job), jobs)
         return outs
@@ -205,15 +203,17 @@ class StepReaderV2(StepBase):
         """The runs of one row object, in file order, through one handle.
 
         [Note: local read order]
-        On a backend that reads ahead (local disk) a rank reads its row objects one after
-        the other, each in file order, and checks each run's chunks as it goes; the
-        kernel's readahead keeps the disk busy meanwhile. Measured on 2 -> 3 resharding
-        loads (3 ranks on 2 cores, cold page cache, a 128 MB Llama checkpoint), this beat
-        one thread per row object (0.10 s against 0.12-0.14 s median): streams of one rank
-        read at once interleave their requests, and the disk serves that slower than the
-        same requests object by object. Checking the chunks on a second thread was slower
-        still (it and the reads contend for the interpreter lock), and leaving the checks
-        out saved nothing measurable: they run while the readahead is in flight."""
+        On a backend that reads ahead (local disk) each row object is one stream, read in
+        file order through one handle, and the streams run on the reader's threads. One
+        thread per rank, reading the objects one after the other, was tried: in repeated
+        loads in one process (2 -> 3 ranks on 2 cores, cold page cache, a 128 MB Llama
+        checkpoint) it was faster, 0.10 s against 0.12 s median, but in the first load of
+        a fresh process, which is what a resumed run does, it was no faster on that model
+        (0.129 s against 0.133 s) and slower on the report's GPT-2 model (0.26 s against
+        0.22 s, 5 alternating loads each): a first load also faults in the engine's fresh
+        memory, and the threads overlap that with the reads. Checks stay with the read
+        that fetched them; on a separate thread they contend for the interpreter lock.
+        """
         plan, rank = jobs[0][0], jobs[0][1]
         with self._storage.open_ranges(f"{self._dir}/{row_path(plan.name, rank)}") as handle:
             for _, _, run in sorted(jobs, key=lambda job: job[2][0].lo):
