@@ -25,15 +25,17 @@ torch.set_num_threads(1)
 # Usage, from the repository root:
 #   python -m torch.distributed.run --nproc_per_node 2 benchmarks/second_model.py save DIR
 #   python -m torch.distributed.run --nproc_per_node 3 benchmarks/second_model.py load DIR
-# STAGE=3 picks the stage (default: the engine default); WARM=1 keeps the page cache.
+# STAGE=3 picks the stage (default: the engine default); WARM=1 keeps the page cache;
+# ROUNDS=n load rounds (default 4); HIDDEN, INTERMEDIATE, LAYERS resize the model (the
+# size sweep in benchmarks/README.md); LORA=0 skips the LoRA saves.
 mode, root = sys.argv[1], Path(sys.argv[2])
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 cfg = LlamaConfig(
     vocab_size=5003,
-    hidden_size=360,
-    intermediate_size=977,
-    num_hidden_layers=5,
+    hidden_size=int(os.environ.get("HIDDEN", 360)),
+    intermediate_size=int(os.environ.get("INTERMEDIATE", 977)),
+    num_hidden_layers=int(os.environ.get("LAYERS", 5)),
     num_attention_heads=6,
     num_key_value_heads=2,
     max_position_embeddings=64,
@@ -48,38 +50,39 @@ def fixed_loss(engine):
 
 
 if mode == "save":
-    counts = {"storages": 0, "listings": 0}
-    init, lst = local.LocalStorage.__init__, local.LocalStorage.list_dir
-    lora_root = os.path.realpath(root / "lora")
+    if os.environ.get("LORA", "1") != "0":
+        counts = {"storages": 0, "listings": 0}
+        init, lst = local.LocalStorage.__init__, local.LocalStorage.list_dir
+        lora_root = os.path.realpath(root / "lora")
 
-    def cinit(self, r, *a, **k):
-        init(self, r, *a, **k)
-        if os.path.realpath(self.root) == lora_root:
-            counts["storages"] += 1
+        def cinit(self, r, *a, **k):
+            init(self, r, *a, **k)
+            if os.path.realpath(self.root) == lora_root:
+                counts["storages"] += 1
 
-    def clist(self, p):
-        if p in ("", ".") and os.path.realpath(self.root) == lora_root:
-            counts["listings"] += 1
-        return lst(self, p)
+        def clist(self, p):
+            if p in ("", ".") and os.path.realpath(self.root) == lora_root:
+                counts["listings"] += 1
+            return lst(self, p)
 
-    local.LocalStorage.__init__, local.LocalStorage.list_dir = cinit, clist
-    from peft import LoraConfig, get_peft_model
+        local.LocalStorage.__init__, local.LocalStorage.list_dir = cinit, clist
+        from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(
-        LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    )
-    eng = zerostate.Engine(model, stage=3)
-    per_save = []
-    for _i in range(3):
-        x = batch[rank : rank + 1]
-        eng.backward(eng(input_ids=x[:, :-1], labels=x[:, 1:]).loss)
-        eng.step()
-        counts.update(storages=0, listings=0)
-        eng.save(str(root / "lora"), keep_last=2)
-        per_save.append(dict(counts))
-    eng.close()
-    steps = zerostate.store.open_checkpoint(str(root / "lora")).steps()
-    print("LORA", rank, json.dumps(per_save), "steps", steps, flush=True)
+        model = get_peft_model(
+            LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        )
+        eng = zerostate.Engine(model, stage=3)
+        per_save = []
+        for _i in range(3):
+            x = batch[rank : rank + 1]
+            eng.backward(eng(input_ids=x[:, :-1], labels=x[:, 1:]).loss)
+            eng.step()
+            counts.update(storages=0, listings=0)
+            eng.save(str(root / "lora"), keep_last=2)
+            per_save.append(dict(counts))
+        eng.close()
+        steps = zerostate.store.open_checkpoint(str(root / "lora")).steps()
+        print("LORA", rank, json.dumps(per_save), "steps", steps, flush=True)
     torch.manual_seed(0)
     kw = {"stage": int(os.environ["STAGE"])} if os.environ.get("STAGE") else {}
     eng = zerostate.Engine(LlamaForCausalLM(cfg), **kw)  # default settings unless STAGE
@@ -98,7 +101,8 @@ else:
     kw = {"stage": int(os.environ["STAGE"])} if os.environ.get("STAGE") else {}
     eng = zerostate.Engine(LlamaForCausalLM(cfg), **kw)
     zs, cats = [], []
-    for _r in range(4):
+    rounds = int(os.environ.get("ROUNDS", 4))
+    for _r in range(rounds):
         if rank == 0 and not os.environ.get("WARM"):
             drop_caches()
         dist.barrier()
@@ -122,7 +126,9 @@ else:
             "best ratio",
             round(min(zs) / min(cats), 2),
             "median ratio",
-            round(sorted(zs)[2] / sorted(cats)[2], 2),
+            round(sorted(zs)[rounds // 2] / sorted(cats)[rounds // 2], 2),
+            "MB",
+            round(sum(p.stat().st_size for p in (root / "plain").rglob("*") if p.is_file()) / 1e6),
             "LOADED_LOSS",
             loss,
             flush=True,
