@@ -14,17 +14,13 @@ def _views(sizes):
     return [memoryview(bytearray(n)) for n in sizes]
 
 
-@pytest.mark.parametrize("limit", [1, 5, 7, 1000, None])
-def test_short_preadv_results_resume_where_they_stopped(tmp_path, monkeypatch, limit):
-    data = bytes(range(256)) * 40
-    (tmp_path / "obj").write_bytes(data)
-    storage = LocalStorage(str(tmp_path))
+def _short_preadv(limit, record):
+    """A ``preadv`` that does what a kernel may do: fill only the first ``limit`` bytes of
+    the request (all of it when ``limit`` is None). ``record(buffers)`` sees every call."""
     real = os.preadv
-    calls = []
 
-    def short(fd, buffers, offset):
-        """What a kernel may do: fill only the first ``limit`` bytes of the request."""
-        calls.append(len(buffers))
+    def preadv(fd, buffers, offset):
+        record(buffers)
         if limit is None:
             return real(fd, buffers, offset)
         scratch = bytearray(min(limit, sum(b.nbytes for b in buffers)))
@@ -34,11 +30,18 @@ def test_short_preadv_results_resume_where_they_stopped(tmp_path, monkeypatch, l
             take = min(b.nbytes, n - pos)
             b[:take] = scratch[pos : pos + take]
             pos += take
-            if pos == n:
-                break
         return n
 
-    monkeypatch.setattr(local.os, "preadv", short)
+    return preadv
+
+
+@pytest.mark.parametrize("limit", [1, 5, 7, 1000, None])
+def test_short_preadv_results_resume_where_they_stopped(tmp_path, monkeypatch, limit):
+    data = bytes(range(256)) * 40
+    (tmp_path / "obj").write_bytes(data)
+    storage = LocalStorage(str(tmp_path))
+    calls = []
+    monkeypatch.setattr(local.os, "preadv", _short_preadv(limit, lambda b: calls.append(len(b))))
     monkeypatch.setattr(local, "_IOV_BATCH", 4)
     sizes = [3, 0, 16, 1, 250, 4, 4, 4, 9, 0, 2000, 13]
     parts = _views(sizes)
@@ -57,22 +60,9 @@ def test_no_read_moves_more_than_a_slice(tmp_path, monkeypatch, limit, read_slic
     data = os.urandom(9000)
     (tmp_path / "obj").write_bytes(data)
     storage = LocalStorage(str(tmp_path))
-    real, calls = os.preadv, []
-
-    def counted(fd, buffers, offset):
-        calls.append(sum(b.nbytes for b in buffers))
-        if limit is None or calls[-1] <= limit:
-            return real(fd, buffers, offset)
-        scratch = bytearray(limit)
-        n = real(fd, [scratch], offset)
-        pos = 0
-        for b in buffers:
-            take = min(b.nbytes, n - pos)
-            b[:take] = scratch[pos : pos + take]
-            pos += take
-        return n
-
-    monkeypatch.setattr(local.os, "preadv", counted)
+    calls = []
+    record = lambda b: calls.append(sum(x.nbytes for x in b))  # noqa: E731
+    monkeypatch.setattr(local.os, "preadv", _short_preadv(limit, record))
     monkeypatch.setattr(local, "_READ_SLICE", read_slice)
     sizes = [1, 2500, 7, 7, 7, 64, 65, 3000, 1]
     parts = _views(sizes)
