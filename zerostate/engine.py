@@ -29,6 +29,7 @@ import math
 import os
 import warnings
 import weakref
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -596,9 +597,17 @@ class Engine:
         if self._host is not None:
             wait_copies(self.device)
 
-    def refresh_from_masters(self) -> None:
-        """Rebuild working parameters from the masters (after they were overwritten)."""
-        self._runtime.refresh(self._params)
+    def whole_replicas(self) -> dict[str, torch.Tensor]:
+        """``{"model/<name>": whole flat working parameter}`` for the parameters a load may
+        read whole from storage on every rank instead of gathering them from the loaded
+        masters ([Note: whole replicas at load] in zerostate.checkpoint)."""
+        return {f"model/{n}": t for n, t in self._runtime.whole_replicas(self._params).items()}
+
+    def refresh_from_masters(self, read_whole: Collection[str] = ()) -> None:
+        """Rebuild working parameters from the masters (after they were overwritten),
+        except those a load read whole (``read_whole``: their ``model/<name>``)."""
+        skip = set(read_whole)
+        self._runtime.refresh([sp for sp in self._params if f"model/{sp.name}" not in skip])
 
     # ------------------------------------------------------------- checkpoints
     def _ckpt(self) -> Any:

@@ -480,6 +480,21 @@ class GroupRuntime:
                 counted=params is None,
             )
 
+    def whole_replicas(self, params: list[ShardedParam]) -> dict[str, torch.Tensor]:
+        """``{name: the whole flat working tensor}`` of each of ``params`` that a load can
+        read whole, on every rank, instead of reading its owned range and gathering the
+        rest ([Note: whole replicas at load] in zerostate.checkpoint): replicated working
+        parameters (stages 1-2) in host memory whose fp32 master is a view of them. The
+        answer is the same on every rank (it depends on the stage, dtype and device only),
+        so every rank leaves the same parameters out of the gather."""
+        if not self.policy.shard_optimizer or self.policy.shard_params:
+            return {}
+        return {
+            sp.name: sp.param.data.view(-1)
+            for sp in params
+            if sp.master_aliased and sp.param.data.device.type == "cpu"
+        }
+
     def zero(self) -> None:
         for group in self.groups:
             group.zero()

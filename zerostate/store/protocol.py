@@ -34,6 +34,8 @@ class StepSource(Protocol):
     supports_references: bool
     #: ``alias(name, existing)`` is available (a loader names tensors the format mixes).
     supports_aliases: bool
+    #: Ranges are read from this host's files: reading one on several ranks costs copies.
+    reads_locally: bool
 
     @property
     def refs(self) -> dict[str, int]: ...

@@ -78,6 +78,11 @@ class StepReaderV2(StepBase):
         return self._storage.url_of(self._dir)
 
     @property
+    def reads_locally(self) -> bool:  # type: ignore[override]
+        # Local files read ahead by the kernel are the ones the host's page cache holds.
+        return bool(self._storage.reads_ahead)
+
+    @property
     def object_count(self) -> int:
         """Objects of the step: rows, metadata documents, manifests, commit record."""
         rows = sum(r is not None for rows in self._rows.values() for r in rows)

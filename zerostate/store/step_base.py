@@ -36,6 +36,11 @@ class StepBase:
     #: ``alias(name, existing)`` works: the format cannot tell some tensors apart (DCP
     #: stores buffers among the model's tensors) and a loader names them.
     supports_aliases: ClassVar[bool] = False
+    #: Any range of any tensor is read from files on this host, through the page cache the
+    #: host's ranks share: a range several ranks read costs memory copies, not network
+    #: transfers or requests, so a loader may read a replicated tensor whole on every rank
+    #: instead of gathering it ([Note: whole replicas at load] in zerostate.checkpoint).
+    reads_locally: bool = False
 
     def __init__(
         self,

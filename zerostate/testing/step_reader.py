@@ -65,6 +65,7 @@ class StepReaderTests:
         st = case.step
         assert isinstance(st.supports_references, bool)
         assert isinstance(st.supports_aliases, bool)
+        assert isinstance(st.reads_locally, bool)
         refs = st.refs
         assert isinstance(refs, dict)
         assert refs == {} or st.supports_references, "only a step that says so holds refs"
