@@ -66,8 +66,7 @@ def _load(rank: int, world: int, root: str, stage: int, precision: str, locally:
     losses = _train(engine, range(3, 5), rank, world)
     after = {k: v.clone() for k, v in engine.full_state_dict().items()}
     engine.close()
-    return {"whole": whole, "gathers": gathers, "loaded": loaded, "losses": losses,
-            "after": after}
+    return {"whole": whole, "gathers": gathers, "loaded": loaded, "losses": losses, "after": after}
 
 
 def _exactly_equal(a: dict, b: dict) -> None:
@@ -76,8 +75,9 @@ def _exactly_equal(a: dict, b: dict) -> None:
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize(("stage", "precision"), [(1, "fp32"), (2, "fp32"), (2, "bf16"),
-                                                  (3, "fp32")])
+@pytest.mark.parametrize(
+    ("stage", "precision"), [(1, "fp32"), (2, "fp32"), (2, "bf16"), (3, "fp32")]
+)
 def test_whole_reads_leave_the_state_a_gather_leaves(tmp_path: Path, stage, precision) -> None:
     root = str(tmp_path / "ckpt")
     saved = run_distributed(_save, 2, root, stage, precision, timeout=180)[0]
