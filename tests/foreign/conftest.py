@@ -16,6 +16,7 @@ DEEPSPEED_CASES = [
     ("ds1-fp32-2", 2, {"stage": 1, "bf16": False}),
     ("ds2-fp32-2", 2, {"stage": 2, "bf16": False}),
     ("ds3-fp32-2", 2, {"stage": 3, "bf16": False}),
+    ("ds1-fp32-4", 4, {"stage": 1, "bf16": False}),
     ("ds2-fp32-4", 4, {"stage": 2, "bf16": False}),
     ("ds3-fp32-4", 4, {"stage": 3, "bf16": False}),
     # bf16 runs (``peers.write_deepspeed_bf16``) also keep DeepSpeed's losses of the next
@@ -23,6 +24,7 @@ DEEPSPEED_CASES = [
     ("ds1-bf16-2", 2, {"stage": 1, "bf16": True}),
     ("ds2-bf16-2", 2, {"stage": 2, "bf16": True}),
     ("ds3-bf16-2", 2, {"stage": 3, "bf16": True}),
+    ("ds1-bf16-4", 4, {"stage": 1, "bf16": True}),
     ("ds2-bf16-4", 4, {"stage": 2, "bf16": True}),
     ("ds3-bf16-4", 4, {"stage": 3, "bf16": True}),
 ]
