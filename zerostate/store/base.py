@@ -36,6 +36,9 @@ the backend's class or URL scheme:
   from spreading the object's ranges over threads ([Note: local read order] in
   ``reader_v2.py``); without it (object stores) each range is its own request, best
   issued concurrently.
+- ``reads_locally``: objects are files on this host, read through the page cache its
+  processes share, so a range that several ranks read costs memory copies, not network
+  transfers or requests ([Note: whole replicas at load] in ``zerostate/checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class Storage(ABC):
     listing_is_consistent: bool = True
     is_object_store: bool = False
     reads_ahead: bool = False
+    reads_locally: bool = False
 
     #: Retries of transient failures (see [Note: storage retries] in ``retry.py``).
     retry_policy: RetryPolicy = RetryPolicy()
@@ -119,6 +123,7 @@ class Storage(ABC):
             "listing_is_consistent",
             "is_object_store",
             "reads_ahead",
+            "reads_locally",
         )
         return {n: bool(getattr(self, n)) for n in names}
 

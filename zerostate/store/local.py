@@ -30,6 +30,7 @@ class LocalStorage(Storage):
     supports_rename = True
     supports_range_reads = True
     reads_ahead = True
+    reads_locally = True
 
     def __init__(self, root: str) -> None:
         root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))

@@ -79,8 +79,7 @@ class StepReaderV2(StepBase):
 
     @property
     def reads_locally(self) -> bool:  # type: ignore[override]
-        # Local files read ahead by the kernel are the ones the host's page cache holds.
-        return bool(self._storage.reads_ahead)
+        return self._storage.reads_locally
 
     @property
     def object_count(self) -> int:

@@ -39,7 +39,8 @@ class StepBase:
     #: Any range of any tensor is read from files on this host, through the page cache the
     #: host's ranks share: a range several ranks read costs memory copies, not network
     #: transfers or requests, so a loader may read a replicated tensor whole on every rank
-    #: instead of gathering it ([Note: whole replicas at load] in zerostate.checkpoint).
+    #: instead of gathering it ([Note: whole replicas at load] in zerostate.checkpoint). A
+    #: format that reads through a ``Storage`` passes on its ``reads_locally`` flag.
     reads_locally: bool = False
 
     def __init__(

@@ -28,6 +28,7 @@ FLAGS = (
     "listing_is_consistent",
     "is_object_store",
     "reads_ahead",
+    "reads_locally",
 )
 
 _DATA = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, every byte value
@@ -58,6 +59,8 @@ class StorageTests:
         # Directory fsyncs only exist where directories do; buckets have none.
         assert not storage.needs_dir_sync or storage.has_directories
         assert not (storage.is_object_store and storage.has_directories)
+        # A bucket's objects are fetched over the network, never from this host's files.
+        assert not (storage.is_object_store and storage.reads_locally)
 
     def test_without_directories_makedirs_and_sync_are_no_ops(self, storage):
         storage.check_writable()
