@@ -186,3 +186,57 @@ def test_a_blocks_checksum_is_one_value_for_each_length(size):
                 damaged = bytearray(block)
                 damaged[rng.randrange(len(block))] ^= 1 << rng.randrange(8)
                 assert crc32c.crc32c(bytes(damaged)) != residues[k]
+
+
+def _verify_error(root) -> str:
+    st = open_checkpoint(str(root)).step(1)
+    with pytest.raises(CorruptCheckpointError) as info:
+        st.verify()
+    return str(info.value)
+
+
+def _damaged_chunks(message: str, what: str) -> list[int]:
+    import re
+
+    row = "rank 0's row of group 'model'"
+    return sorted(
+        int(m.group(1))
+        for line in message.split("; ")
+        if row in line
+        for m in [re.search(rf"inner chunk (\d+), {what}", line)]
+        if m
+    )
+
+
+@pytest.mark.parametrize("chunks", [4, None])
+def test_verify_names_every_damaged_chunk(saved, tmp_path, monkeypatch, chunks):
+    import shutil
+
+    if chunks is not None:
+        monkeypatch.setattr(reader_v2, "BLOCK_NBYTES", chunks * (256 + 4))
+    open_checkpoint(str(saved[0])).step(1).verify()  # the pristine step passes
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved[0], root)
+    path, plan = _row_file(root)
+    data = bytearray(path.read_bytes())
+    damaged = [1, 2, 9, 40]  # two in one block of 4, one in another, one further on
+    for chunk in damaged:
+        data[chunk * plan.stored_chunk_nbytes + (chunk % plan.inner)] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert _damaged_chunks(_verify_error(root), "fails its checksum") == damaged
+
+
+def test_verify_names_the_chunks_a_short_row_lacks(saved, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(reader_v2, "BLOCK_NBYTES", 4 * (256 + 4))
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved[0], root)
+    path, plan = _row_file(root)
+    count = len([j for a, b in plan.present(0) for j in range(a, b)])
+    keep = count - 3
+    path.write_bytes(path.read_bytes()[: keep * plan.stored_chunk_nbytes + 100])
+    message = _verify_error(root)
+    assert _damaged_chunks(message, "is cut short") == list(range(keep, count))
+    assert _damaged_chunks(message, "fails its checksum") == []
+    assert "shard index is damaged" in message

@@ -361,7 +361,8 @@ class StepReaderV2(StepBase):
         which spares the second copy. The block's read is one ``read_into`` of at most
         ``BLOCK_NBYTES``, the slice size [Note: read size] in ``local.py`` found fastest
         cold, and the check and copy of one block overlap the kernel's readahead of the
-        next.
+        next. ``verify``, which has every stored byte in one buffer anyway, checks blocks
+        the same way on every storage (the 128 MB step, warm: 0.07-0.08 s -> 0.035 s).
         """
         size, stored = plan.inner, plan.stored_chunk_nbytes
         per = BLOCK_NBYTES // stored
@@ -509,29 +510,40 @@ class StepReaderV2(StepBase):
         path = f"{self._dir}/{row_path(plan.name, rank)}"
         where = f"rank {rank}'s row of group {plan.name!r} ({self._row_url(plan, rank)})"
         chunks = [j for a, b in plan.present(rank) for j in range(a, b)]
-        stored = plan.stored_chunk_nbytes
+        size, stored = plan.inner, plan.stored_chunk_nbytes
         per_read = max(1, VERIFY_BLOCK_NBYTES // stored)
+        per_check = max(1, BLOCK_NBYTES // stored)  # stored chunks per crc32c call
+        residues = _residues(size, per_check)
+        buf = np.empty(min(len(chunks), per_read) * stored, dtype=np.uint8)
         chunk_crcs = bytearray()
         for start in range(0, len(chunks), per_read):
             batch = chunks[start : start + per_read]
-            buf = memoryview(bytearray(len(batch) * stored))
+            data = buf[: len(batch) * stored]
             try:
-                got = self._storage.read_range_into(path, start * stored, [buf])
+                got = self._storage.read_range_into(path, start * stored, [memoryview(data)])
             except FileNotFoundError:
                 names = sorted({s.name for _, _, s in plan.spans(rank)})
                 report(f"tensor(s) {_names(names)}: {where} is missing")
                 return
-            for k, j in enumerate(batch):
-                chunk = buf[k * stored : (k + 1) * stored]
-                tail = chunk[plan.inner :]
-                ok = (k + 1) * stored <= got and crc32c.crc32c(chunk[: plan.inner]) == (
-                    int.from_bytes(tail, "little")
-                )
-                chunk_crcs += tail
-                if not ok:
-                    damage = "is cut short" if (k + 1) * stored > got else "fails its checksum"
-                    names = plan.tensors_in_chunk(rank, j)
-                    report(f"tensor(s) {_names(names)}: {where}, inner chunk {j}, {damage}")
+            data[got:] = 0  # a row cut short reads as zeros past its end
+            records = data.reshape(len(batch), stored)
+            chunk_crcs += records[:, size:].tobytes()
+            whole = min(len(batch), got // stored)  # chunks read to their last byte
+            # [Note: checked blocks]: one call per block; a failing block chunk by chunk.
+            bad = []
+            for k0 in range(0, whole, per_check):
+                k1 = min(whole, k0 + per_check)
+                if crc32c.crc32c(data[k0 * stored : k1 * stored]) != residues[k1 - k0]:
+                    bad += [
+                        k
+                        for k in range(k0, k1)
+                        if crc32c.crc32c(records[k, :size])
+                        != int.from_bytes(records[k, size:].tobytes(), "little")
+                    ]
+            for k in bad + list(range(whole, len(batch))):
+                damage = "is cut short" if k >= whole else "fails its checksum"
+                names = plan.tensors_in_chunk(rank, batch[k])
+                report(f"tensor(s) {_names(names)}: {where}, inner chunk {batch[k]}, {damage}")
         index = plan.index_bytes(rank)
         buf = memoryview(bytearray(len(index) + CHECKSUM_NBYTES + 1))
         got = self._storage.read_range_into(path, len(chunks) * stored, [buf])
