@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,8 +212,8 @@ class StepReaderV2(StepBase):
             streams: dict[tuple[str, int], list[tuple]] = {}
             for job in jobs:
                 streams.setdefault((job[0].name, job[1]), []).append(job)
-            streams_list = list(streams.values())
-            self._map(self._read_stream, streams_list, cpu_bound=self._storage.reads_locally)
+            local = self._storage.reads_locally
+            self._map(self._read_stream, list(streams.values()), cpu_bound=local)
         else:
             self._map(lambda job: self._read_run(*job), jobs)
         return outs
@@ -324,13 +324,7 @@ class StepReaderV2(StepBase):
             k = next(
                 k for k, (a, b) in enumerate(zip(actual_crcs, stored_crcs, strict=True)) if a != b
             )
-            actual, stored_crc, j = actual_crcs[k], stored_crcs[k], first + k
-            hit = _names(plan.tensors_in_chunk(rank, j))
-            raise CorruptCheckpointError(
-                f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} ({url}), "
-                f"inner chunk {j}, fails its checksum (crc32c {actual:#010x}, stored "
-                f"{stored_crc:#010x}): the data is damaged"
-            )
+            raise self._checksum_error(plan, rank, first + k, actual_crcs[k], stored_crcs[k])
 
     def _read_blocks(
         self,
@@ -410,20 +404,22 @@ class StepReaderV2(StepBase):
     def _name_damaged_chunk(self, plan: GroupPlan, rank: int, buf: np.ndarray, c: int) -> None:
         """Raise for the first chunk of a block (stored chunks from index ``c`` on) that
         fails its own check; the block failed its check, so one does."""
-        size, stored = plan.inner, plan.stored_chunk_nbytes
-        for k, record in enumerate(buf.reshape(-1, stored)):
-            actual = crc32c.crc32c(record[:size])
-            stored_crc = struct.unpack("<I", record[size:].tobytes())[0]
-            if actual != stored_crc:
-                hit = _names(plan.tensors_in_chunk(rank, c + k))
-                raise CorruptCheckpointError(
-                    f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} "
-                    f"({self._row_url(plan, rank)}), inner chunk {c + k}, fails its checksum "
-                    f"(crc32c {actual:#010x}, stored {stored_crc:#010x}): the data is damaged"
-                )
+        records = buf.reshape(-1, plan.stored_chunk_nbytes)
+        for k, actual, stored_crc in _failing_chunks(records, plan.inner):
+            raise self._checksum_error(plan, rank, c + k, actual, stored_crc)
         raise CorruptCheckpointError(  # unreachable for a crc32c, kept so nothing passes
             f"rank {rank}'s row of group {plan.name!r} ({self._row_url(plan, rank)}), inner "
-            f"chunks {c}-{c + len(buf) // stored - 1}, fail their checksum: the data is damaged"
+            f"chunks {c}-{c + len(records) - 1}, fail their checksum: the data is damaged"
+        )
+
+    def _checksum_error(
+        self, plan: GroupPlan, rank: int, chunk: int, actual: int, stored_crc: int
+    ) -> CorruptCheckpointError:
+        hit = _names(plan.tensors_in_chunk(rank, chunk))
+        return CorruptCheckpointError(
+            f"tensor(s) {hit}: rank {rank}'s row of group {plan.name!r} "
+            f"({self._row_url(plan, rank)}), inner chunk {chunk}, fails its checksum "
+            f"(crc32c {actual:#010x}, stored {stored_crc:#010x}): the data is damaged"
         )
 
     # ------------------------------------------------------------------ verify
@@ -541,12 +537,7 @@ class StepReaderV2(StepBase):
             for k0 in range(0, whole, per_check):
                 k1 = min(whole, k0 + per_check)
                 if crc32c.crc32c(data[k0 * stored : k1 * stored]) != residues[k1 - k0]:
-                    bad += [
-                        k
-                        for k in range(k0, k1)
-                        if crc32c.crc32c(records[k, :size])
-                        != int.from_bytes(records[k, size:].tobytes(), "little")
-                    ]
+                    bad += [k0 + k for k, _, _ in _failing_chunks(records[k0:k1], size)]
             for k in bad + list(range(whole, len(batch))):
                 damage = "is cut short" if k >= whole else "fails its checksum"
                 names = plan.tensors_in_chunk(rank, batch[k])
@@ -656,6 +647,16 @@ def _residues(size: int, count: int) -> tuple[int, ...]:
     for _ in range(count):
         out.append(crc32c.crc32c(chunk, out[-1]))
     return tuple(out)
+
+
+def _failing_chunks(records: np.ndarray, size: int) -> Iterator[tuple[int, int, int]]:
+    """``(k, actual, stored)`` for each stored chunk ``records[k]`` (payload of ``size``
+    bytes, then its little-endian crc32c) whose payload fails its checksum."""
+    for k, record in enumerate(records):
+        actual = crc32c.crc32c(record[:size])
+        stored_crc = int.from_bytes(record[size:].tobytes(), "little")
+        if actual != stored_crc:
+            yield k, actual, stored_crc
 
 
 def _copy_payload(rows: np.ndarray, u: int, v: int, dest: np.ndarray, size: int) -> None:
