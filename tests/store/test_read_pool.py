@@ -1,8 +1,11 @@
-"""The step readers' pool starts all its threads before the first read is handed out."""
+"""The step readers' pool starts all its threads before the first read is handed out, and
+a closed step hands it to the next step of the process ([Note: pool reuse])."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import pytest
 
@@ -44,6 +47,20 @@ def test_a_failed_thread_start_releases_the_started_ones(monkeypatch):
         assert not t.is_alive(), f"{t.name} still waits"
 
 
+@pytest.fixture(autouse=True)
+def no_idle_pools(monkeypatch):
+    """Each test starts with no idle pool (others' tests leave theirs behind)."""
+    monkeypatch.setattr(step_base, "_idle_pools", {})
+
+
+class Reader(step_base.StepBase):
+    url = "memory://x"
+
+
+def _pool_threads(prefix: str) -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(prefix)}
+
+
 def test_step_readers_use_it(monkeypatch):
     made = []
     monkeypatch.setattr(step_base, "_started_pool", lambda n, name: made.append(n) or
@@ -56,3 +73,115 @@ def test_step_readers_use_it(monkeypatch):
     assert reader._map(lambda x: x + 1, [1, 2, 3, 4]) == [2, 3, 4, 5]
     reader.close()
     assert made == [3]
+
+
+def test_a_closed_steps_pool_serves_the_next_step(monkeypatch):
+    made = []
+    monkeypatch.setattr(step_base, "_started_pool", lambda n, name: made.append(n) or
+                        _started_pool(n, name))  # fmt: skip
+    first = Reader(1, 1, {}, {}, num_threads=3, thread_name="zs-reuse")
+    assert first._map(lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]
+    threads = _pool_threads("zs-reuse")
+    assert len(threads) == 3
+    first.close()
+    assert all(t.is_alive() for t in threads)  # waiting for the next step
+    second = Reader(2, 1, {}, {}, num_threads=3, thread_name="zs-reuse")
+    ran_on = set()
+
+    def where(x):
+        ran_on.add(threading.current_thread())
+        time.sleep(0.01)
+        return x + 1
+
+    assert second._map(where, list(range(9))) == list(range(1, 10))
+    assert made == [3]  # no second start
+    assert ran_on <= threads and _pool_threads("zs-reuse") == threads
+    # Another thread count is another kind of pool.
+    other = Reader(3, 1, {}, {}, num_threads=2, thread_name="zs-reuse")
+    assert other._map(lambda x: x, [1, 2]) == [1, 2]
+    assert made == [3, 2]
+    for r in (second, other):
+        r.close()
+    assert sorted(len(v) for v in step_base._idle_pools.values()) == [1, 1]
+
+
+def test_steps_open_at_once_have_a_pool_each():
+    a = Reader(1, 1, {}, {}, num_threads=2, thread_name="zs-each")
+    b = Reader(2, 1, {}, {}, num_threads=2, thread_name="zs-each")
+    try:
+        a._map(lambda x: x, [1, 2])
+        b._map(lambda x: x, [1, 2])
+        assert a._pool is not b._pool
+        assert len(_pool_threads("zs-each")) == 4
+    finally:
+        a.close()
+        b.close()
+
+
+def test_idle_pools_are_capped():
+    readers = [Reader(i, 1, {}, {}, num_threads=2, thread_name="zs-cap") for i in range(4)]
+    for r in readers:
+        r._map(lambda x: x, [1, 2])
+    pools = [r._pool for r in readers]
+    for r in readers:
+        r.close()
+    idle = step_base._idle_pools[(2, "zs-cap")]
+    assert len(idle) == step_base.MAX_IDLE_POOLS == 2
+    shut = [p for p in pools if p not in idle]
+    assert len(shut) == 2 and all(p._shutdown for p in shut)
+    for p in shut:
+        with pytest.raises(RuntimeError, match="shutdown"):
+            p.submit(int)
+
+
+def test_a_pool_closed_while_its_map_runs_is_shut_down_not_reused():
+    reader = Reader(1, 1, {}, {}, num_threads=2, thread_name="zs-busy")
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(x):
+        inside.set()
+        release.wait(30)
+        return x
+
+    result = []
+    mapper = threading.Thread(target=lambda: result.append(reader._map(slow, [1, 2])))
+    mapper.start()
+    assert inside.wait(30)
+    pool = reader._pool
+    threading.Timer(0.2, release.set).start()
+    reader.close()  # waits for the running map, as a shutdown does
+    mapper.join(30)
+    assert result == [[1, 2]]
+    assert pool._shutdown and (2, "zs-busy") not in step_base._idle_pools
+    # The reader still works, on a pool of its own again.
+    assert reader._map(lambda x: -x, [1, 2]) == [-1, -2] and reader._pool is not pool
+    reader.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is what leaves threads behind")
+def test_a_forked_child_starts_its_own_pool():
+    parent = Reader(1, 1, {}, {}, num_threads=2, thread_name="zs-fork")
+    parent._map(lambda x: x, [1, 2])
+    parent.close()
+    assert len(step_base._idle_pools[(2, "zs-fork")]) == 1
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's idle pool has no threads here
+        code = 1
+        try:
+            child = Reader(2, 1, {}, {}, num_threads=2, thread_name="zs-fork")
+            ok = not step_base._idle_pools and child._map(lambda x: x * 3, [1, 2, 3]) == [3, 6, 9]
+            code = 0 if ok else 3
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's read never ran (it used the parent's pool)")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(step_base._idle_pools[(2, "zs-fork")]) == 1  # the parent keeps its own
