@@ -633,16 +633,20 @@ class Checkpointer:
                 )
         except Exception as exc:
             error = exc
-        # Every rank must know before the collectives below whether all ranks read their
-        # part ([Note: failing together]); a rank's read error fails every rank at once.
-        self._agree(error, f"loading {path}")
-        self.engine.load_engine_state(st.attrs.get("engine", {}))
-        self.engine.refresh_from_masters(read_whole)
-        rng, objects = restore
-        self._restore_rng(st, rng)
-        for name, value in objects.items():
-            stateful[name].load_state_dict(value)
-        self._barrier()
+        try:
+            # Every rank must know before the collectives below whether all ranks read
+            # their part ([Note: failing together]); a rank's read error fails every rank.
+            self._agree(error, f"loading {path}")
+            self.engine.load_engine_state(st.attrs.get("engine", {}))
+            self.engine.refresh_from_masters(read_whole)
+            rng, objects = restore
+            self._restore_rng(st, rng)
+            for name, value in objects.items():
+                stateful[name].load_state_dict(value)
+            self._barrier()
+        finally:
+            if st is not None:
+                st.close()  # its read threads wait for the next load ([Note: pool reuse])
         self._remember_root(path)
         if left and self.rank == 0:
             log.warning(
