@@ -53,6 +53,15 @@ def no_idle_pools(monkeypatch):
     monkeypatch.setattr(step_base, "_idle_pools", {})
 
 
+@pytest.fixture
+def starts(monkeypatch) -> list[int]:
+    """The thread counts of the pools started while the test runs."""
+    made: list[int] = []
+    monkeypatch.setattr(step_base, "_started_pool", lambda n, name: made.append(n) or
+                        _started_pool(n, name))  # fmt: skip
+    return made
+
+
 class Reader(step_base.StepBase):
     url = "memory://x"
 
@@ -61,24 +70,14 @@ def _pool_threads(prefix: str) -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith(prefix)}
 
 
-def test_step_readers_use_it(monkeypatch):
-    made = []
-    monkeypatch.setattr(step_base, "_started_pool", lambda n, name: made.append(n) or
-                        _started_pool(n, name))  # fmt: skip
-
-    class Reader(step_base.StepBase):
-        url = "memory://x"
-
+def test_step_readers_use_it(starts):
     reader = Reader(1, 1, {}, {}, num_threads=3)
     assert reader._map(lambda x: x + 1, [1, 2, 3, 4]) == [2, 3, 4, 5]
     reader.close()
-    assert made == [3]
+    assert starts == [3]
 
 
-def test_a_closed_steps_pool_serves_the_next_step(monkeypatch):
-    made = []
-    monkeypatch.setattr(step_base, "_started_pool", lambda n, name: made.append(n) or
-                        _started_pool(n, name))  # fmt: skip
+def test_a_closed_steps_pool_serves_the_next_step(starts):
     first = Reader(1, 1, {}, {}, num_threads=3, thread_name="zs-reuse")
     assert first._map(lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]
     threads = _pool_threads("zs-reuse")
@@ -94,12 +93,12 @@ def test_a_closed_steps_pool_serves_the_next_step(monkeypatch):
         return x + 1
 
     assert second._map(where, list(range(9))) == list(range(1, 10))
-    assert made == [3]  # no second start
+    assert starts == [3]  # no second start
     assert ran_on <= threads and _pool_threads("zs-reuse") == threads
     # Another thread count is another kind of pool.
     other = Reader(3, 1, {}, {}, num_threads=2, thread_name="zs-reuse")
     assert other._map(lambda x: x, [1, 2]) == [1, 2]
-    assert made == [3, 2]
+    assert starts == [3, 2]
     for r in (second, other):
         r.close()
     assert sorted(len(v) for v in step_base._idle_pools.values()) == [1, 1]
