@@ -82,33 +82,18 @@ def test_a_read_past_the_end_stops_at_the_end(tmp_path):
     assert b"".join(bytes(p) for p in parts) == b"3456789" + bytes(5)
 
 
-def _covered(ranges):
-    """The union of ``[lo, hi)`` ranges as sorted, disjoint ranges."""
-    out = []
-    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return out
-
-
-@pytest.mark.parametrize("window", [None, 64, 1000])
-def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monkeypatch, window):
-    """[Note: local read order]: each row object in file order through one descriptor.
-    [Note: read hints]: the only hint is WILLNEED, given before the bytes are read, for
-    exactly the bytes read, at most a window ahead of the reads."""
+def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monkeypatch):
+    """[Note: local read order]: each row object in file order through one descriptor,
+    with no readahead hint ([Note: read size])."""
     import torch
     from _store_helpers import make_tensors
 
     from zerostate.partition import even_layout
-    from zerostate.store import open_checkpoint, reader_v2, save_tensors
+    from zerostate.store import open_checkpoint, save_tensors
 
-    if window is not None:
-        monkeypatch.setattr(reader_v2, "HINT_NBYTES", window)
     tensors = make_tensors()
     save_tensors(str(tmp_path), 1, tensors, world_size=2, min_shard_numel=8)
-    opened, events, path_of = [], [], {}
+    opened, reads, hints, path_of = [], [], [], {}
     real_open, real_preadv = os.open, local._preadv_all
 
     def open_(path, *args, **kwargs):
@@ -117,19 +102,13 @@ def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monke
         path_of[fd] = path  # fd numbers are reused once closed
         return fd
 
-    def advise(fd, offset, nbytes, advice):
-        events.append(("hint", path_of[fd], offset, offset + nbytes, advice))
-
-    def preadv(fd, offset, views):
-        events.append(("read", path_of[fd], offset, offset + sum(v.nbytes for v in views), None))
-        return real_preadv(fd, offset, views)
-
     monkeypatch.setattr(local.os, "open", open_)
-    monkeypatch.setattr(local.os, "posix_fadvise", advise)
-    monkeypatch.setattr(local, "_preadv_all", preadv)
+    monkeypatch.setattr(local.os, "posix_fadvise", lambda fd, o, n, advice: hints.append(advice))
+    monkeypatch.setattr(local, "_preadv_all", lambda fd, o, v: reads.append((path_of[fd], o)) or
+                        real_preadv(fd, o, v))  # fmt: skip
     st = open_checkpoint(str(tmp_path)).step(1)
     for rank in range(3):
-        opened.clear(), events.clear()
+        opened.clear(), reads.clear(), hints.clear()
         requests = []
         for name, info in st.tensors.items():
             lo, hi = even_layout(info.numel, 3).owned_range(rank)
@@ -139,46 +118,10 @@ def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monke
             assert torch.equal(out, tensors[name].reshape(-1)[lo:hi]), name
         rows = [p for p in opened if "/c/" in p]
         assert rows and len(rows) == len(set(rows)), rows  # each row object opened once
-        assert {e[4] for e in events if e[0] == "hint"} == {os.POSIX_FADV_WILLNEED}
-        for row in rows:
-            mine = [e for e in events if e[1] == row]
-            reads = [(e[2], e[3]) for e in mine if e[0] == "read"]
-            hints = [(e[2], e[3]) for e in mine if e[0] == "hint"]
-            assert reads and [lo for lo, _ in reads] == sorted(lo for lo, _ in reads), reads
-            assert _covered(hints) == _covered(reads), row  # hinted: what is read, no more
-            hinted, done, run = [], 0, max(hi - lo for lo, hi in reads)
-            for kind, _, lo, hi, _ in mine:
-                if kind == "hint":
-                    hinted.append((lo, hi))
-                    continue
-                assert any(a <= lo and hi <= z for a, z in _covered(hinted)), (lo, hi)
-                done = hi
-                ahead = sum(max(0, z - max(a, done)) for a, z in hinted)
-                # A refill stops once a window is hinted: it overshoots by a run at most.
-                assert ahead <= reader_v2.HINT_NBYTES + run, (ahead, reader_v2.HINT_NBYTES)
+        assert hints == []
+        by_row: dict[str, list[int]] = {}
+        for path, offset in reads:
+            by_row.setdefault(path, []).append(offset)
+        assert set(by_row) == set(rows)
+        assert all(offsets == sorted(offsets) for offsets in by_row.values()), by_row
     st.close()
-
-
-def test_a_refused_hint_reads_the_same_bytes(tmp_path, monkeypatch):
-    """posix_fadvise failing (a file system that refuses it) or missing (not Linux)."""
-    import torch
-    from _store_helpers import make_tensors
-
-    from zerostate.store import open_checkpoint, save_tensors
-
-    tensors = make_tensors()
-    save_tensors(str(tmp_path), 1, tensors, world_size=2, min_shard_numel=8)
-
-    def refuse(fd, offset, nbytes, advice):
-        raise OSError(95, "Operation not supported")
-
-    for patch in (refuse, None):
-        with monkeypatch.context() as m:
-            if patch is None:
-                m.delattr(local.os, "posix_fadvise")
-            else:
-                m.setattr(local.os, "posix_fadvise", patch)
-            with open_checkpoint(str(tmp_path)).step(1) as st:
-                got = st.read_many([(n, 0, t.numel(), None) for n, t in tensors.items()])
-            for (name, t), out in zip(tensors.items(), got, strict=True):
-                assert torch.equal(out, t.reshape(-1)), name

@@ -271,13 +271,6 @@ class RangeReader:
     def read_into(self, offset: int, parts: Sequence[memoryview]) -> int:
         return self.storage.read_range_into(self.path, offset, parts)
 
-    def will_need(self, offset: int, nbytes: int) -> None:
-        """A hint that bytes ``[offset, offset + nbytes)`` will be read soon, so a backend
-        that reads ahead may start fetching them now; it changes no result and may be
-        ignored (this default does nothing). It never raises: what is wrong with the object
-        is the read's to report."""
-        return None
-
     def close(self) -> None:
         return None  # nothing held between reads
 

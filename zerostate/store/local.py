@@ -286,7 +286,7 @@ class _LocalRanges(RangeReader):
         self._fd: int | None = None
         self._target = ""
 
-    def _opened(self) -> int:
+    def read_into(self, offset: int, parts: Sequence[memoryview]) -> int:
         if self._fd is None:
             self._target = self._local._contained(self.path)
             try:
@@ -295,25 +295,10 @@ class _LocalRanges(RangeReader):
                 raise FileNotFoundError(errno.ENOENT, "not found", self._target) from exc
             except OSError as exc:
                 raise StorageError(f"reading {self._target} failed: {exc}") from exc
-        return self._fd
-
-    def read_into(self, offset: int, parts: Sequence[memoryview]) -> int:
-        fd = self._opened()
         try:
-            return _preadv_all(fd, offset, [p for p in parts if p.nbytes])
+            return _preadv_all(self._fd, offset, [p for p in parts if p.nbytes])
         except OSError as exc:
             raise StorageError(f"reading {self._target} failed: {exc}") from exc
-
-    def will_need(self, offset: int, nbytes: int) -> None:
-        """``POSIX_FADV_WILLNEED`` for the range ([Note: read hints] in ``reader_v2.py``);
-        a file system that refuses the hint reads the same bytes without it."""
-        advise = getattr(os, "posix_fadvise", None)
-        if advise is None or nbytes <= 0:
-            return
-        try:
-            advise(self._opened(), offset, nbytes, os.POSIX_FADV_WILLNEED)
-        except (OSError, StorageError):
-            pass  # only a hint: a missing or unreadable object is the read's to report
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -345,8 +330,7 @@ def _preadv_all(fd: int, offset: int, views: list[memoryview]) -> int:
     caller copies and checks them; a large one waits for all of its pages first. The
     ``POSIX_FADV_SEQUENTIAL`` hint, which doubles the readahead window, made the same
     load slower (medians 0.125 s against 0.113 s with a thread per row object, 0.12 s
-    against 0.10 s with one per rank) and is not given; the streams hint the ranges they
-    will read instead ([Note: read hints] in ``reader_v2.py``)."""
+    against 0.10 s with one per rank) and is not given."""
     cap = _READ_SLICE
     ends = list(itertools.accumulate(v.nbytes for v in views))
     total, count = (ends[-1] if ends else 0), len(views)

@@ -47,8 +47,6 @@ RUN_NBYTES = 64 << 20
 BLOCK_NBYTES = 128 << 10
 #: Fewest stored chunks per block for the block path; rows of larger chunks read in place.
 MIN_BLOCK_CHUNKS = 4
-#: Stored bytes a local stream asks to have fetched ahead of its reads ([Note: read hints]).
-HINT_NBYTES = 16 << 20
 
 
 class StepReaderV2(StepBase):
@@ -234,54 +232,11 @@ class StepReaderV2(StepBase):
         0.22 s, 5 alternating loads each): a first load also faults in the engine's fresh
         memory, and the threads overlap that with the reads. Checks stay with the read
         that fetched them; on a separate thread they contend for the interpreter lock.
-
-        [Note: read hints]
-        Before reading, a stream hints the stored bytes of its next runs, up to
-        ``HINT_NBYTES`` ahead, with ``RangeReader.will_need`` (``POSIX_FADV_WILLNEED`` on
-        local disk), and hints again when less than half of that is left. In a resharding
-        load the ranks read interleaved ranges of the same row objects (2 -> 3 ranks: rank
-        1 reads what lies between the ranges of ranks 0 and 2), a pattern the kernel's
-        readahead follows badly: without hints each rank spent 140-235 ms of system time on
-        89 MB, with them 30-100 ms (``cat`` of the same files: 10 ms a process). Measured
-        on 2 cores, fresh processes, page cache dropped before each load, alternating: the
-        report's GPT-2 model (266 MB, stage 3) took 412-489 ms without hints (6 loads) and
-        297-397 ms with them (15 loads, windows of 4-32 MiB, none better than the others
-        beyond the noise); a prototype that hinted each whole stream was faster in 10 of 10
-        pairs. A Qwen2 from a config (184 MB, stage 3): 242-340 ms without, 205-427 ms with
-        (medians 308 and 240 ms, faster in 3 of 4 pairs); the same at stage 2 (87 MB): no
-        difference beyond the noise. One process reading a third of each tensor, and warm
-        loads: no difference. Hinting every stream of a rank at once, before its reads,
-        was slower (the hints themselves took 175-215 ms: on this disk a hint waits while
-        its requests queue). The window keeps the pages fetched ahead of the reads bounded
-        however large the stream.
-
-        The gain is the disk's, and so is the cost: on the same virtual machine a file
-        written within the last minute or so is read back from the host's cache after the
-        guest's page cache is dropped, at memory speed, and there the kernel's own
-        readahead keeps up and a hint only makes its reader wait: a checkpoint saved just
-        before its loads (one load to warm up, then 5 alternating pairs) took 250-319 ms
-        without hints and 265-360 ms with them (medians 300 and 315 ms), and the report's
-        load row, run once on each side one after the other, gave 1.56x ``cat`` without and
-        1.78x with. Hints stay on: they save about a quarter where the reads reach the
-        device, which is where a resumed run's reads go, and cost 5% (alternating) to 14%
-        (the report's row, not alternated) where the host's cache serves them."""
+        """
         plan, rank = jobs[0][0], jobs[0][1]
-        runs = [job[2] for job in sorted(jobs, key=lambda job: job[2][0].lo)]
-        spans = [_stored_span(plan, rank, run) for run in runs]
         with self._storage.open_ranges(f"{self._dir}/{row_path(plan.name, rank)}") as handle:
-            hinted, ahead = 0, 0  # runs[:hinted] were hinted, ``ahead`` bytes of them unread
-            for i, run in enumerate(runs):
-                if ahead < HINT_NBYTES // 2 and hinted < len(runs):
-                    lo = hi = spans[hinted][0]
-                    while hinted < len(runs) and ahead < HINT_NBYTES:
-                        a, z = spans[hinted]
-                        if a != hi:  # not adjacent to the runs before: a hint of its own
-                            handle.will_need(lo, hi - lo)
-                            lo = a
-                        hi, ahead, hinted = z, ahead + z - a, hinted + 1
-                    handle.will_need(lo, hi - lo)
+            for _, _, run in sorted(jobs, key=lambda job: job[2][0].lo):
                 self._read_run(plan, rank, run, handle)
-                ahead -= spans[i][1] - spans[i][0]
 
     def _read_many_with_refs(self, requests: list[tuple]) -> list[torch.Tensor]:
         """Requests split by the step holding their bytes; results in request order."""
@@ -747,17 +702,6 @@ def _runs(pieces: list[_Piece], inner: int) -> list[list[_Piece]]:
                 continue
         runs.append([piece])
     return runs
-
-
-def _stored_span(plan: GroupPlan, rank: int, run: list[_Piece]) -> tuple[int, int]:
-    """The stored bytes ``[lo, hi)`` of ``rank``'s row that :meth:`StepReaderV2._read_run`
-    reads for ``run``; empty where the row lacks them (the read then names the problem)."""
-    size, stored = plan.inner, plan.stored_chunk_nbytes
-    first, last = run[0].lo // size, (run[-1].hi - 1) // size
-    p0 = plan.position(rank, first)
-    if p0 is None:
-        return 0, 0
-    return p0 * stored, (p0 + last - first + 1) * stored
 
 
 def _names(names: list[str]) -> str:

@@ -185,27 +185,6 @@ class StorageTests:
         with storage.open_ranges("r/nope") as handle, pytest.raises(FileNotFoundError):
             handle.read_into(0, [memoryview(bytearray(4))])
 
-    def test_a_read_hint_changes_no_result(self, storage):
-        """``will_need`` is only a hint: ranges hinted, hinted twice, past the end or
-        empty read what they read without it; hinting a missing object raises nothing."""
-        storage.check_writable()
-        self.put(storage, "r/obj", _DATA)
-        n = len(_DATA)
-        with storage.open_ranges("r/obj") as handle:
-            handle.will_need(0, n)
-            handle.will_need(10, 300)
-            handle.will_need(n - 4, 100)
-            handle.will_need(5, 0)
-            for start, stop in [(10, 310), (0, 10), (n - 4, n + 6)]:
-                buf = bytearray(stop - start)
-                got = handle.read_into(start, [memoryview(buf)])
-                assert got == min(stop, n) - start
-                assert bytes(buf[:got]) == _DATA[start:stop]
-        with storage.open_ranges("r/nope") as handle:
-            handle.will_need(0, 4)  # never raises: the read reports what is wrong
-            with pytest.raises(FileNotFoundError):
-                handle.read_into(0, [memoryview(bytearray(4))])
-
     def test_byte_range_is_validated(self, storage):
         for bad in [(-1, 4), (5, 4), (1.5, 3), (True, 3), (0, "9")]:
             with pytest.raises(ConfigError):
