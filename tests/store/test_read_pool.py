@@ -184,3 +184,37 @@ def test_a_forked_child_starts_its_own_pool():
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
     assert len(step_base._idle_pools[(2, "zs-fork")]) == 1  # the parent keeps its own
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_failed_map_leaves_no_item_running(monkeypatch, gated):
+    """A read that fails must not leave others writing after the map raised: a load that
+    fails and is retried from another step would find the failed load's reads landing in
+    the engine's tensors afterwards. Items still waiting for a thread are skipped."""
+    if gated:
+        monkeypatch.setattr(step_base, "usable_cpus", lambda: 2)
+    reader = Reader(1, 1, {}, {}, num_threads=4, thread_name="zs-fail-map")
+    events: list[str] = []
+    started = threading.Event()
+
+    def item(x):
+        if x == "fail":
+            started.wait(5)  # the slow item is running when this one fails
+            raise ValueError("damaged")
+        if x == "slow":
+            started.set()
+            time.sleep(0.3)
+        events.append(x)
+        return x
+
+    items = ["fail", "slow", "a", "b", "c", "d"]
+    with pytest.raises(ValueError, match="damaged"):
+        reader._map(item, items, cpu_bound=gated)
+    done = list(events)
+    time.sleep(0.5)
+    assert events == done, "an item ran after the map raised"
+    assert "slow" in done  # the running item finished before the map returned
+    if gated:
+        assert done == ["slow"]  # two at a time: the rest were skipped, not run
+    reader.close()
+    assert reader._map(lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]  # the reader still works

@@ -16,7 +16,7 @@ import operator
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, ClassVar
 
 import torch
@@ -154,7 +154,14 @@ class StepBase:
     def _map(self, fn: Callable, items: list, *, cpu_bound: bool = False) -> list:
         """``fn`` over ``items`` on the pool. ``cpu_bound``: the work is copies and
         checks of bytes already on this host (local files), so at most as many items run
-        at once as there are CPUs to run them ([Note: local read threads])."""
+        at once as there are CPUs to run them ([Note: local read threads]).
+
+        [Note: a failed map]
+        The map returns, results or error, only once no item runs any more: the items of
+        a load write into the engine's own tensors, and one still running after the load
+        raised would land its bytes there later, over whatever the caller did next (a
+        load of an older step, say). Once an item fails, items that have not begun are
+        skipped; the error raised is that of the first failed item in ``items`` order."""
         limit = min(self._num_threads, usable_cpus()) if cpu_bound else self._num_threads
         if len(items) <= 1 or limit <= 1:
             return [fn(x) for x in items]
@@ -164,15 +171,33 @@ class StepBase:
             pool = self._pool
             self._pool_users += 1
         try:
-            if limit < self._num_threads:
-                gate = threading.BoundedSemaphore(limit)
+            gate = threading.BoundedSemaphore(limit) if limit < self._num_threads else None
+            failed = threading.Event()
 
-                def gated(x: Any, fn: Callable = fn) -> Any:
-                    with gate:
+            def run(x: Any) -> Any:
+                if gate is not None:
+                    gate.acquire()
+                try:
+                    if failed.is_set():
+                        return None  # the map raises: no more work
+                    try:
                         return fn(x)
+                    except BaseException:
+                        failed.set()
+                        raise
+                finally:
+                    if gate is not None:
+                        gate.release()
 
-                return list(pool.map(gated, items))
-            return list(pool.map(fn, items))
+            futures = []
+            try:
+                for x in items:
+                    futures.append(pool.submit(run, x))
+            finally:
+                if len(futures) < len(items):
+                    failed.set()  # a submit failed: what was handed out is only waited for
+                wait(futures)
+            return [f.result() for f in futures]
         finally:
             with self._pool_lock:
                 if self._pool is pool:
