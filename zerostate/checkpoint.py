@@ -680,6 +680,14 @@ class Checkpointer:
         ``Engine.whole_replicas`` names the same parameters on every rank, so every rank
         leaves the same ones out of the gather."""
         st = _open_any_step(self.engine, path, step, storage_options)
+        try:
+            return st, self._read_into_engine(st, path, strict)
+        except BaseException:
+            st.close()  # the caller never sees it: its threads go back now, not at GC
+            raise
+
+    def _read_into_engine(self, st: Any, path: str, strict: bool) -> set[str]:
+        """:meth:`_read_step` once ``st`` is open: the names of the parameters read whole."""
         self.engine.prepare_engine_state(st.attrs.get("engine", {}), strict=strict)
         views = self.engine.state_views()
         missing = [v.name for v in views if v.name not in st.tensors]
@@ -729,7 +737,7 @@ class Checkpointer:
             for local, data in zip(targets, results, strict=True):
                 if local is not None:
                     local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
-        return st, read_whole
+        return read_whole
 
     def _saved_rank_state(
         self, st: Any, stateful: dict, strict: bool
