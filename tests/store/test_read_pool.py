@@ -218,3 +218,58 @@ def test_a_failed_map_leaves_no_item_running(monkeypatch, gated):
         assert done == ["slow"]  # two at a time: the rest were skipped, not run
     reader.close()
     assert reader._map(lambda x: x * 2, [1, 2, 3]) == [2, 4, 6]  # the reader still works
+
+
+def test_a_long_item_can_stop_once_another_failed():
+    """map_failed() tells a running item that the map will raise, so a long read stops
+    between its parts instead of finishing work that is thrown away."""
+    reader = Reader(1, 1, {}, {}, num_threads=2, thread_name="zs-stop")
+    seen: list = []
+
+    def item(x):
+        if x == "fail":
+            time.sleep(0.05)
+            raise ValueError("damaged")
+        for i in range(500):
+            if step_base.map_failed():
+                seen.append(i)
+                return
+            time.sleep(0.01)
+        seen.append("all")
+
+    with pytest.raises(ValueError, match="damaged"):
+        reader._map(item, ["long", "fail"])
+    assert len(seen) == 1 and seen[0] != "all" and seen[0] < 250, seen
+    assert not step_base.map_failed()  # outside a map
+    assert reader._map(lambda x: step_base.map_failed(), [1, 2]) == [False, False]
+    reader.close()
+
+
+def test_a_stream_stops_between_runs_once_another_failed(tmp_path, monkeypatch):
+    """The local stream reader asks map_failed() before each run it reads."""
+    from _store_helpers import make_tensors
+
+    from zerostate.store import open_checkpoint, reader_v2, save_tensors
+
+    tensors = make_tensors()
+    save_tensors(str(tmp_path), 1, tensors, world_size=2, min_shard_numel=8)
+    runs: list = []
+    real = reader_v2.StepReaderV2._read_run
+    monkeypatch.setattr(reader_v2.StepReaderV2, "_read_run",
+                        lambda self, *a: runs.append(a[1]) or real(self, *a))  # fmt: skip
+    with open_checkpoint(str(tmp_path)).step(1) as st:
+        requests = [(n, 0, t.numel(), None) for n, t in tensors.items()]
+        st.read_many(requests)
+        assert runs  # the reads go through _read_run
+        runs.clear()
+        monkeypatch.setattr(reader_v2, "map_failed", lambda: True)
+        streams = {}
+        # The streams as read_many makes them, then each read with map_failed() true.
+        monkeypatch.setattr(reader_v2.StepReaderV2, "_map",
+                            lambda self, fn, items, **kw: [streams.setdefault(id(i), i)
+                                                           for i in items])  # fmt: skip
+        st.read_many(requests)
+        assert streams
+        for jobs in streams.values():
+            st._read_stream(jobs)
+        assert runs == []  # every stream stopped before its first run

@@ -30,7 +30,7 @@ from zerostate.store import format2
 from zerostate.store import refs as refs_mod
 from zerostate.store.base import RangeReader
 from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
-from zerostate.store.step_base import StepBase
+from zerostate.store.step_base import StepBase, map_failed
 from zerostate.store.storage import Storage
 
 #: Bytes verify reads per request: bounds its memory whatever the row size.
@@ -236,6 +236,8 @@ class StepReaderV2(StepBase):
         plan, rank = jobs[0][0], jobs[0][1]
         with self._storage.open_ranges(f"{self._dir}/{row_path(plan.name, rank)}") as handle:
             for _, _, run in sorted(jobs, key=lambda job: job[2][0].lo):
+                if map_failed():
+                    return  # another stream failed: the load raises, stop reading
                 self._read_run(plan, rank, run, handle)
 
     def _read_many_with_refs(self, requests: list[tuple]) -> list[torch.Tensor]:

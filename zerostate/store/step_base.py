@@ -161,7 +161,8 @@ class StepBase:
         a load write into the engine's own tensors, and one still running after the load
         raised would land its bytes there later, over whatever the caller did next (a
         load of an older step, say). Once an item fails, items that have not begun are
-        skipped; the error raised is that of the first failed item in ``items`` order."""
+        skipped, and a long item may stop early when :func:`map_failed` says so; the error
+        raised is that of the first failed item in ``items`` order."""
         limit = min(self._num_threads, usable_cpus()) if cpu_bound else self._num_threads
         if len(items) <= 1 or limit <= 1:
             return [fn(x) for x in items]
@@ -180,12 +181,14 @@ class StepBase:
                 try:
                     if failed.is_set():
                         return None  # the map raises: no more work
+                    _item.failed = failed  # for map_failed() in a long item
                     try:
                         return fn(x)
                     except BaseException:
                         failed.set()
                         raise
                 finally:
+                    _item.failed = None
                     if gate is not None:
                         gate.release()
 
@@ -230,6 +233,16 @@ class StepBase:
                 f"elements, got {out.dtype} {tuple(out.shape)} on {out.device}"
             )
         return start, stop, out
+
+
+_item = threading.local()  # the failure event of the map whose item this thread runs
+
+
+def map_failed() -> bool:
+    """Whether another item of the :meth:`StepBase._map` running this one has failed, so
+    this one's work will be thrown away ([Note: a failed map]); False outside a map."""
+    failed = getattr(_item, "failed", None)
+    return failed is not None and failed.is_set()
 
 
 def usable_cpus() -> int:
