@@ -26,7 +26,7 @@ from zerostate.errors import (
 )
 from zerostate.store import format as fmt
 from zerostate.store import refs
-from zerostate.store.base import Storage
+from zerostate.store.base import BATCH_THREADS, Storage
 from zerostate.store.reader import StepReader
 from zerostate.store.storage import open_storage
 
@@ -53,6 +53,11 @@ class SaveCheck:
     @property
     def ok(self) -> bool:
         return self.refusal is None and self.newer is None and not self.exists
+
+
+#: Commit records :meth:`CheckpointRoot.latest_step` checks at once, newest step first:
+#: as many as an object store's batched existence checks run concurrently.
+LATEST_BATCH = BATCH_THREADS
 
 
 class CheckpointRoot:
@@ -123,13 +128,23 @@ class CheckpointRoot:
         return self._storage.exists(f"{fmt.step_dir(step)}/{fmt.COMMIT_PATH}")
 
     def latest_step(self) -> int:
-        committed, partial = self.scan()
-        if not committed:
-            # A missing directory or bucket lists as empty: name that cause instead.
-            self._storage.check_readable()
-            hint = f" (only partial, uncommitted steps: {partial[-5:]})" if partial else ""
-            raise CheckpointNotFoundError(f"no committed step under {self.url}{hint}")
-        return committed[-1]
+        """The newest committed step: one listing, then the commit records checked from
+        the newest step down, a batch at a time, until one exists. A root of many steps
+        costs a batch of existence checks, not one per step (on an object store a request
+        each, every rank at every load)."""
+        dirs = sorted(self._step_dirs().items(), reverse=True)
+        partial: list[int] = []
+        for i in range(0, len(dirs), LATEST_BATCH):
+            batch = dirs[i : i + LATEST_BATCH]
+            records = self._storage.exists_many([f"{n}/{fmt.COMMIT_PATH}" for _, n in batch])
+            for (step, _), has_record in zip(batch, records, strict=True):
+                if has_record:
+                    return step
+                partial.append(step)
+        # A missing directory or bucket lists as empty: name that cause instead.
+        self._storage.check_readable()
+        hint = f" (only partial, uncommitted steps: {sorted(partial)[-5:]})" if partial else ""
+        raise CheckpointNotFoundError(f"no committed step under {self.url}{hint}")
 
     def _step_dirs(self) -> dict[int, str]:
         out = {}
