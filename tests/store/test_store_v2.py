@@ -170,12 +170,19 @@ def _amplification(root, tensors, monkeypatch, new_world_size: int) -> float:
 
 @pytest.mark.parametrize("shape", [(64, 12, 1000), (48, 24, 500)], ids=["d64x12", "d48x24"])
 @pytest.mark.parametrize("src, dst", [(4, 3), (4, 2), (2, 3)])
-def test_resharding_load_reads_at_most_1_1x(tmp_path, monkeypatch, shape, src, dst):
+@pytest.mark.parametrize("fill", [False, True], ids=["asked", "filled"])
+def test_resharding_load_read_amplification(tmp_path, monkeypatch, shape, src, dst, fill):
+    """The pieces a resharding read asks for are at most 1.1x the bytes it needs. A local
+    stream also reads through short gaps ([Note: filled gaps] in reader_v2.py), bytes
+    that another rank on the host reads anyway; that stays under 1.5x (1.02-1.35x here)."""
+    from zerostate.store import reader_v2
+
+    monkeypatch.setattr(reader_v2, "FILL_GAPS", fill)
     tensors = transformer_state(*shape)
     _save(tmp_path, tensors, src)
     ratio = _amplification(tmp_path, tensors, monkeypatch, dst)
-    print(f"read amplification {shape} {src}->{dst}: {ratio:.4f}")
-    assert 1.0 <= ratio <= 1.1
+    print(f"read amplification {shape} {src}->{dst} fill={fill}: {ratio:.4f}")
+    assert 1.0 <= ratio <= (1.5 if fill else 1.1)
 
 
 # ------------------------------------------------------------------ lying records

@@ -47,6 +47,9 @@ RUN_NBYTES = 64 << 20
 BLOCK_NBYTES = 128 << 10
 #: Fewest stored chunks per block for the block path; rows of larger chunks read in place.
 MIN_BLOCK_CHUNKS = 4
+#: Whether a local stream reads through a gap no longer than the run before it
+#: ([Note: filled gaps]).
+FILL_GAPS = True
 
 
 class StepReaderV2(StepBase):
@@ -234,11 +237,52 @@ class StepReaderV2(StepBase):
         that fetched them; on a separate thread they contend for the interpreter lock.
         """
         plan, rank = jobs[0][0], jobs[0][1]
+        fill = FILL_GAPS and self._storage.reads_locally
+        end = length = 0  # where the last run ended in the object, and its length
         with self._storage.open_ranges(f"{self._dir}/{row_path(plan.name, rank)}") as handle:
             for _, _, run in sorted(jobs, key=lambda job: job[2][0].lo):
                 if map_failed():
                     return  # another stream failed: the load raises, stop reading
+                span = _stored_span(plan, rank, run) if fill else None
+                if span is not None and length and 0 < span[0] - end <= length:
+                    self._read_through(handle, end, span[0])  # [Note: filled gaps]
                 self._read_run(plan, rank, run, handle)
+                if span is not None:
+                    end, length = span[1], span[1] - span[0]
+
+    def _read_through(self, handle: RangeReader, start: int, stop: int) -> None:
+        """Read object bytes ``[start, stop)`` and drop them (a gap between two runs of
+        one stream); a short read just ends it, the next run's read names the problem.
+
+        [Note: filled gaps]
+        A resharding load reads each row object in pieces: the new rank wants some chunks
+        of every tensor in a row, not all of them, so its runs leave gaps. On local disk a
+        gap costs more than its bytes: the kernel's readahead stops at the jump and the
+        next run starts with a cold, synchronous request. So a local stream reads through
+        a gap that is no longer than the run before it (at most doubling what it reads)
+        into a scratch buffer. Measured on this 2-core machine, 2 -> 3 ranks, cold cache,
+        stage 3, the report's load row (GPT-2 'io', 266 MB), two runs each way in
+        alternating order: zerostate / ``cat`` 1.18x and 1.20x with the fill (0.184 s
+        both) against 1.47x and 1.86x without (0.212 s, 0.275 s). A replay of the same
+        byte ranges alone took 0.161 s with it and 0.174 s without (``cat`` 0.157 s). On
+        Llama checkpoints of 128 and 597 MB it was within the noise (1.36x-1.48x with,
+        1.20x-1.43x without; and 1.19x-1.43x with, 1.05x-1.20x without).
+
+        The cost is bytes copied: in the read-amplification tests each new rank now reads
+        1.02-1.35x the bytes it needs (1.02-1.07x without the fill). In a load by the ranks
+        of one host those gap bytes are rows other ranks read too, so the disk serves them
+        once and the rest come from the page cache. Ranks on many hosts reading one shared
+        filesystem through local paths do move the extra bytes. Object stores never fill:
+        there every byte read is a byte paid for and there is no readahead.
+        """
+        sink = getattr(self._scratch, "sink", None)
+        if sink is None:
+            sink = self._scratch.sink = memoryview(bytearray(BLOCK_NBYTES))
+        while start < stop:
+            n = min(BLOCK_NBYTES, stop - start)
+            if handle.read_into(start, [sink[:n]]) < n:
+                return
+            start += n
 
     def _read_many_with_refs(self, requests: list[tuple]) -> list[torch.Tensor]:
         """Requests split by the step holding their bytes; results in request order."""
@@ -689,6 +733,16 @@ def _split_crc32c(segments: tuple[memoryview, ...]) -> int:
     for segment in segments:
         actual = crc32c.crc32c(segment, actual)
     return actual
+
+
+def _stored_span(plan: GroupPlan, rank: int, run: list[_Piece]) -> tuple[int, int] | None:
+    """Object bytes ``[start, stop)`` the stored inner chunks under ``run`` occupy in
+    ``rank``'s row, None when the plan does not place them (the read names that)."""
+    first, last = run[0].lo // plan.inner, (run[-1].hi - 1) // plan.inner
+    p0, p1 = plan.position(rank, first), plan.position(rank, last)
+    if p0 is None or p1 is None:
+        return None
+    return p0 * plan.stored_chunk_nbytes, (p1 + 1) * plan.stored_chunk_nbytes
 
 
 def _runs(pieces: list[_Piece], inner: int) -> list[list[_Piece]]:
