@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives, jsonstate
+from zerostate import collectives, jsonstate, peer_settings
 from zerostate.errors import (
     CheckpointError,
     ConfigError,
@@ -648,6 +648,9 @@ class Checkpointer:
             if st is not None:
                 st.close()  # its read threads wait for the next load ([Note: pool reuse])
         self._remember_root(path)
+        if self.rank == 0:  # [Note: a peer's update settings]
+            for warning in peer_settings.differences(st.attrs, self.engine.config, path):
+                log.warning("zerostate: %s", warning)
         if left and self.rank == 0:
             log.warning(
                 "zerostate: loaded step %d from %s but left saved state unrestored: %s. "

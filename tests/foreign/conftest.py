@@ -28,6 +28,11 @@ DEEPSPEED_CASES = [
     ("ds2-bf16-4", 4, {"stage": 2, "bf16": True}),
     ("ds3-bf16-4", 4, {"stage": 3, "bf16": True}),
 ]
+#: Written for one test file each, not for every test of test_peers.py.
+OTHER_DEEPSPEED_CASES = [
+    # a config without gradient_clipping: DeepSpeed clips at 1.0 (test_peer_settings.py)
+    ("ds2-fp32-2-clipdefault", 2, {"stage": 2, "bf16": False, "default_clipping": True}),
+]
 
 
 class PeerCheckpoints:
@@ -43,7 +48,7 @@ class PeerCheckpoints:
         if name == "dcp-2":
             kind, world, kw = "dcp", 2, {}
         else:
-            _, world, kw = next(c for c in DEEPSPEED_CASES if c[0] == name)
+            _, world, kw = next(c for c in DEEPSPEED_CASES + OTHER_DEEPSPEED_CASES if c[0] == name)
             kind = "deepspeed"
         if name not in self._made:
             out = self.root / name

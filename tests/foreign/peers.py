@@ -91,20 +91,26 @@ def _full_fp32(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def write_deepspeed(rank: int, world_size: int, out: str, stage: int) -> dict:
+def write_deepspeed(
+    rank: int, world_size: int, out: str, stage: int, default_clipping: bool = False
+) -> dict:
     """Train in fp32, save a DeepSpeed checkpoint to ``out`` (tag ``global_step<k>``), then
     take ``NEXT_STEPS`` more steps; rank 0 returns the fp32 weights after each of them.
-    bf16 runs are :func:`write_deepspeed_bf16`."""
+    ``default_clipping`` leaves ``gradient_clipping`` out of the config, as most users do
+    (DeepSpeed then clips at 1.0). bf16 runs are :func:`write_deepspeed_bf16`."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
     model = build_model()
+    config = ds_config(stage, world_size, bf16=False)
+    if default_clipping:
+        del config["gradient_clipping"]
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config(stage, world_size, bf16=False),
+        config=config,
     )
 
     def train(step: int) -> None:
@@ -248,10 +254,15 @@ def generate(kind: str, out: Path, world_size: int, **kw) -> dict:
     return results[0]
 
 
-def zerostate_continue(rank: int, world_size: int, ckpt: str, stage: int, peer_world: int) -> Any:
+def zerostate_continue(
+    rank: int, world_size: int, ckpt: str, stage: int, peer_world: int, **engine_kw: Any
+) -> Any:
     """Load a peer's checkpoint into a zerostate engine at ``world_size`` ranks and take
     the peer's next ``NEXT_STEPS`` steps on the same global batches; rank 0 returns the
-    full weights as loaded and after each step."""
+    full weights as loaded and after each step, and the warnings the load logged.
+    ``engine_kw`` go to the engine (e.g. ``grad_clip``)."""
+    import logging
+
     import zerostate
 
     model = build_model()
@@ -259,9 +270,16 @@ def zerostate_continue(rank: int, world_size: int, ckpt: str, stage: int, peer_w
         for p in model.parameters():
             p.add_(1.0)
     engine = zerostate.Engine(
-        model, stage=stage, lr=0.5, betas=(0.5, 0.5), eps=EPS, weight_decay=0.0
+        model, stage=stage, lr=0.5, betas=(0.5, 0.5), eps=EPS, weight_decay=0.0, **engine_kw
     )
-    engine.load(ckpt)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("zerostate").addHandler(handler)
+    try:
+        engine.load(ckpt)
+    finally:
+        logging.getLogger("zerostate").removeHandler(handler)
     loaded = {k: v.detach().float().clone() for k, v in engine.full_state_dict().items()}
     after = []
     for step in range(TRAIN_STEPS, TRAIN_STEPS + NEXT_STEPS):
@@ -272,7 +290,9 @@ def zerostate_continue(rank: int, world_size: int, ckpt: str, stage: int, peer_w
         engine.backward(loss)
         engine.step()
         after.append({k: v.detach().float().clone() for k, v in engine.full_state_dict().items()})
-    return {"loaded": loaded, "after": after, "steps": engine.optimizer_steps} if rank == 0 else {}
+    if rank != 0:
+        return {"warnings": warnings}
+    return {"loaded": loaded, "after": after, "steps": engine.optimizer_steps, "warnings": warnings}
 
 
 def assert_continues(theirs: list[dict], ours: list[dict], tol: float = 1e-5) -> None:

@@ -56,8 +56,15 @@ def test_consolidate_gives_the_peer_tools_tensors(peer_checkpoints, tmp_path, na
 @pytest.mark.parametrize(
     "name",
     [
-        "ds2-fp32-2", "ds1-fp32-4", "ds3-fp32-4", "ds1-bf16-2", "ds2-bf16-2", "ds1-bf16-4",
-        "ds2-bf16-4", "ds3-bf16-4", "dcp-2",
+        "ds2-fp32-2",
+        "ds1-fp32-4",
+        "ds3-fp32-4",
+        "ds1-bf16-2",
+        "ds2-bf16-2",
+        "ds1-bf16-4",
+        "ds2-bf16-4",
+        "ds3-bf16-4",
+        "dcp-2",
     ],  # fmt: skip
 )
 def test_inspect_verify_reshard(peer_checkpoints, tmp_path, name):

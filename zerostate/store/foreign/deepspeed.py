@@ -248,6 +248,8 @@ class _Builder:
                 "global_samples": _int(model.get("global_samples"), 0),
                 "skipped_steps": _int(model.get("skipped_steps"), 0),
                 "dp_world_size": _int(model.get("dp_world_size"), self.world_size),
+                # a config given as a file path is saved as that string: nothing to read
+                **({"update": _update_settings(config)} if config else {}),
             },
         }
         archives = [*self.model_archives, *self.optim_archives]
@@ -466,6 +468,23 @@ def _precision(config: dict) -> str:
         if isinstance(section, dict) and section.get("enabled"):
             return name
     return "fp32"
+
+
+#: DeepSpeed's value of ``gradient_clipping`` when its config leaves it out
+#: (``deepspeed.runtime.constants.GRADIENT_CLIPPING_DEFAULT``).
+DEEPSPEED_CLIPPING_DEFAULT = 1.0
+
+
+def _update_settings(config: dict) -> dict:
+    """The settings of the saved run that change its update and that a zerostate engine
+    sets on its own ([Note: a peer's update settings] in zerostate.peer_settings): the
+    effective gradient clipping (DeepSpeed clips at 1.0 when its config says nothing; 0
+    disables). A value of the wrong type is left out rather than guessed."""
+    clip = config.get("gradient_clipping", DEEPSPEED_CLIPPING_DEFAULT)
+    out: dict[str, Any] = {}
+    if isinstance(clip, int | float) and not isinstance(clip, bool) and clip >= 0:
+        out["gradient_clipping"] = float(clip)
+    return out
 
 
 def _optimizer_class(config: dict) -> str | None:
