@@ -40,6 +40,7 @@ from zerostate.checkpoint import Checkpointer  # imported here, not on the first
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig, check_setting_names
+from zerostate.engine_state import ENGINE_STATE_VERSION, READABLE_ENGINE_STATES
 from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import (
     ShardedOptimizer,
@@ -58,9 +59,6 @@ from zerostate.sharded import ShardedParam, ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
-ENGINE_STATE_VERSION = 2
-#: Engine states of version 1 (built-in AdamW only, no optimizer metadata) still load.
-_READABLE_ENGINE_STATES = (1, 2)
 #: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
 #: user optimizer's business.
 _ADAMW_FIELDS = ("lr", "betas", "eps", "weight_decay", "no_decay")
@@ -569,9 +567,9 @@ class Engine:
         if not isinstance(state, dict):
             raise ConfigError(f"engine state must be a dict, got {type(state).__name__}")
         version = state.get("version")
-        if version not in _READABLE_ENGINE_STATES:
+        if version not in READABLE_ENGINE_STATES:
             raise ConfigError(
-                f"engine state version {version!r} is not one of {_READABLE_ENGINE_STATES}; "
+                f"engine state version {version!r} is not one of {READABLE_ENGINE_STATES}; "
                 "it was written by an incompatible zerostate"
             )
         step = state.get("step")

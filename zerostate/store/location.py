@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import posixpath
+from typing import TYPE_CHECKING
 
 from zerostate.errors import ConfigError
-from zerostate.store.base import Storage
+
+if TYPE_CHECKING:  # store.base asks this module for canonical_location: no import back
+    from zerostate.store.base import Storage
+
+    _Root = str | os.PathLike | Storage
 
 #: Spellings of one backend that address the same objects.
 PROTOCOL_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "abfss": "abfs", "az": "abfs"}
-
-Location = str | os.PathLike | Storage
 
 
 def canonical_location(root: str | os.PathLike) -> str:
@@ -39,7 +42,7 @@ def canonical_location(root: str | os.PathLike) -> str:
     return f"{protocol}://{key}".rstrip("/") if key else f"{protocol}://"
 
 
-def location_contains(outer: Location, inner: Location) -> bool:
+def location_contains(outer: _Root, inner: _Root) -> bool:
     """Whether ``inner`` is ``outer`` or lies anywhere under it (as locations, see
     :func:`canonical_location`). Local paths are also compared by inode, which catches
     what text cannot (bind mounts, case-insensitive file systems)."""
@@ -65,11 +68,13 @@ def location_contains(outer: Location, inner: Location) -> bool:
         cur = parent
 
 
-def locations_overlap(a: Location, b: Location) -> bool:
+def locations_overlap(a: _Root, b: _Root) -> bool:
     """Whether two roots are the same location or one lies inside the other: writing or
     deleting under one may then destroy what the other holds."""
     return location_contains(a, b) or location_contains(b, a)
 
 
-def _location(root: Location) -> str:
-    return root.location if isinstance(root, Storage) else canonical_location(root)
+def _location(root: _Root) -> str:
+    if isinstance(root, str | os.PathLike):
+        return canonical_location(root)
+    return root.location  # a Storage

@@ -32,7 +32,6 @@ from zerostate.store.fsspec_storage import (
 )
 from zerostate.store.local import LocalStorage
 from zerostate.store.location import (
-    Location,
     canonical_location,
     location_contains,
     locations_overlap,
@@ -47,6 +46,8 @@ from zerostate.store.s3 import (
 
 #: Old private spellings, for code that still imports them from here.
 _is_transient = is_transient
+#: A checkpoint root as callers name it: a path, a URL or an open Storage.
+Location = str | os.PathLike | Storage
 _with_s3_defaults = with_s3_defaults
 
 __all__ = [

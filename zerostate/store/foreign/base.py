@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from zerostate.engine_state import ENGINE_STATE_VERSION
 from zerostate.errors import CorruptCheckpointError
 from zerostate.partition import even_layout
 from zerostate.store.format import TensorInfo
@@ -178,7 +179,6 @@ def foreign_engine_state(
     that loads the step fills in its own (``zerostate.checkpoint`` does, for foreign
     steps only)."""
     from zerostate import jsonstate
-    from zerostate.engine import ENGINE_STATE_VERSION
     from zerostate.optim import OPTIMIZER_STATE_VERSION
 
     state = {
