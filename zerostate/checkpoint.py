@@ -575,7 +575,7 @@ class Checkpointer:
     def _retain(root: CheckpointRoot, step: int, keep_last: int | None) -> None:
         # Partial steps older than the one just committed belong to crashed saves.
         try:
-            root.prune(keep_last=keep_last, partial_below=step)
+            root.prune(keep_last=keep_last, partial_below=step, saved=step)
         except Exception as exc:  # retention must not fail a good save
             log.warning("zerostate: retention in %s after step %d failed: %s", root.url, step, exc)
 

@@ -69,6 +69,9 @@ class CheckpointRoot:
         self._storage = storage
         self._num_threads = num_threads
         self._location: str | None = None
+        # (committed, partial) as check_save listed them: retention after that save reuses
+        # it ([Note: one scan per save])
+        self._save_scan: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def open(
@@ -219,6 +222,7 @@ class CheckpointRoot:
         none holds, a partial directory of ``step`` left by a crashed save is removed so
         the new save starts clean; nothing else is changed."""
         committed, partial = self.scan()
+        self._save_scan = (list(committed), list(partial))
         refusal = None if model_shapes is None else self.save_refusal(model_shapes, committed)
         newer = None
         if not newer_ok and committed and committed[-1] > step:
@@ -308,17 +312,42 @@ class CheckpointRoot:
         return candidates
 
     def prune(
-        self, *, keep_last: int | None, partial_below: int | None
+        self, *, keep_last: int | None, partial_below: int | None, saved: int | None = None
     ) -> tuple[list[int], list[int]]:
         """Retention in one scan: delete partial steps below ``partial_below`` (crashed
         saves) and all but the newest ``keep_last`` committed steps (the newest is always
-        kept). Returns ``(committed steps deleted, partial steps deleted)``."""
+        kept). Returns ``(committed steps deleted, partial steps deleted)``.
+
+        ``saved``: the step a save through this root object just committed; retention then
+        reuses the listing its :meth:`check_save` made instead of listing again.
+
+        [Note: one scan per save]
+        A save lists the root once, in rank 0's save guard (:meth:`check_save`: one listing
+        and one existence check per step directory; on an object store a LIST and a HEAD
+        each). Retention after the commit needs the same facts, and the save's own step is
+        the only one this run added since, so it reuses them. What another process did in
+        between can only make that view stale in safe directions: a step committed since is
+        missing from it, so fewer old steps count as surplus; a partial step is deleted only
+        after its commit record is checked again, so a save that committed meanwhile is
+        never taken for a crashed one.
+        """
         if keep_last is not None and (
             not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
         ):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        committed, partial = self.scan()
+        if saved is not None and self._save_scan is not None:
+            committed = sorted({*self._save_scan[0], saved})
+            partial = [s for s in self._save_scan[1] if s != saved]
+            recheck = True
+        else:
+            (committed, partial), recheck = self.scan(), False
+        self._save_scan = None
         stale = [s for s in partial if partial_below is not None and s < partial_below]
+        if stale and recheck:
+            records = self._storage.exists_many(
+                [f"{fmt.step_dir(s)}/{fmt.COMMIT_PATH}" for s in stale]
+            )
+            stale = [s for s, has_record in zip(stale, records, strict=True) if not has_record]
         for step in stale:
             self._storage.remove_tree(fmt.step_dir(step))
         old = committed[:-keep_last] if keep_last else []
