@@ -300,8 +300,11 @@ class Engine:
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
         collectives.release_import_time_group_pins()
-        for i, sp in enumerate(self._trainable):
+        self._closed = False
+        self._grad_hooks = [
             sp.param.register_post_accumulate_grad_hook(_GradReadyHook(self, i))
+            for i, sp in enumerate(self._trainable)
+        ]
 
     # -- construction helpers -------------------------------------------------------------
     @staticmethod
@@ -370,6 +373,7 @@ class Engine:
 
     # -- training ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("engine(...)")
         if self._unset:
             self._refuse_unset()
         self._runtime.pre_forward()
@@ -406,6 +410,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss (its mean over the local batch)."""
+        self._check_open("backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise EngineUsageError(
                 "backward() needs the scalar loss returned by a forward through the engine "
@@ -427,6 +432,7 @@ class Engine:
 
     def step(self) -> bool:
         """Apply the optimizer on accumulation boundaries; True if parameters changed."""
+        self._check_open("step()")
         if self._micro_step == 0:
             raise EngineUsageError(
                 "step() called without backward(); call engine.backward(loss) first"
@@ -670,6 +676,7 @@ class Engine:
         optimizer state and group hyperparameters (scheduled ``lr`` included) always are.
         Saved state it does not restore (a ``stateful`` object not passed, RNG states at
         another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
+        self._check_open("load()")
         self._settle_host_copies()
         state = self._ckpt().load(
             path,
@@ -696,17 +703,48 @@ class Engine:
         and mis-shaped names; ``strict=False`` loads what matches and returns the lists
         (a :class:`~zerostate.pretrained.PretrainedReport`). Optimizer state is untouched.
         """
+        self._check_open("load_pretrained()")
         self._settle_host_copies()
         return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
 
-    def close(self) -> None:
-        """Wait for an in-flight async save and re-raise its error; idempotent.
+    def close(self, *, whole_model: bool = True) -> None:
+        """End training: wait for an in-flight async save and re-raise its error, and hand
+        the model back as a plain torch module; idempotent.
 
-        Call it (or use ``with Engine(...) as engine:``) before the process ends so a
-        background save that fails is reported as an exception, not lost.
+        Call it (or use ``with Engine(...) as engine:``) on every rank before the process
+        ends so a background save that fails is reported as an exception, not lost. After
+        it the model holds its full trained weights (in the working dtype) at every stage,
+        without the engine's hooks: ``torch.save(model.state_dict(), path)`` and
+        ``model.save_pretrained(dir)`` (on rank 0) write them. At stage 3 that gathers
+        every parameter ([Note: no hollow state dict] in zerostate.runtime.runtime): it is
+        collective and costs the full working parameters once per rank.
+        ``whole_model=False`` only waits for the save and leaves the model as it is, for
+        an error path where other ranks may never call ``close()``. Training, ``load``
+        and ``load_pretrained`` are refused afterwards; ``full_state_dict()`` still works.
         """
+        if whole_model and not self._closed:
+            if self._runtime.policy.shard_params:
+                self._arrive("close")
+            self._runtime.detach()
+            for handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks = []
+            self.module.__dict__.pop(_WRAPPED_BY, None)  # a new Engine may wrap it now
+            self._closed = True
         if self._checkpointer is not None:
             self._checkpointer.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` handed the model back (training is over)."""
+        return self._closed
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise EngineUsageError(
+                f"{what} after engine.close(): close() ended training and handed the model "
+                "back with its full weights; build a new Engine over the model to train on"
+            )
 
     def __enter__(self) -> Engine:
         return self
@@ -716,7 +754,9 @@ class Engine:
             self.close()
             return
         try:
-            self.close()
+            # Not whole_model: gathering is collective, and the other ranks may be stuck
+            # where this one failed.
+            self.close(whole_model=False)
         except Exception as save_error:  # the body's exception is the one to propagate
             note = f"zerostate: an async checkpoint save also failed: {save_error!r}"
             if hasattr(exc, "add_note"):  # Python >= 3.11

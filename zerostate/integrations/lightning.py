@@ -22,7 +22,11 @@ instead of a ``DistributedDataParallel`` wrapper:
   path becomes a checkpoint root (a directory or fsspec URL); Lightning's own state
   (loops, callbacks, schedulers) rides in the step's attrs as JSON, never a pickle.
   ``async_save=True`` returns while the step is written;
-- ``trainer.fit(model, ckpt_path=path)`` resumes from that root at any number of devices.
+- ``trainer.fit(model, ckpt_path=path)`` resumes from that root at any number of devices;
+- when ``fit`` (``validate``, ``test``, ``predict``) returns, the engine is closed and the
+  LightningModule holds its full trained weights at every stage, stage 3 included:
+  ``torch.save(model.state_dict(), path)`` on rank 0 writes them. A run that ends with an
+  exception leaves the model as it is (gathering is collective; other ranks may be stuck).
 
 Gradient accumulation across the end of an epoch differs from DDP: the engine steps every
 ``accumulate_grad_batches`` micro-batches, so keep the batches per epoch a multiple of it.
@@ -148,10 +152,12 @@ class ZeroStateStrategy(DDPStrategy):
         self.storage_options = storage_options
         self.engine_options = engine_options
         self.engine: zerostate.Engine | None = None
+        self._interrupted = False
 
     # ------------------------------------------------------------------- setup
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None
+        self._interrupted = False
         self.accelerator.setup(trainer)
         self.model_to_device()
         precision = self._engine_precision()
@@ -253,9 +259,16 @@ class ZeroStateStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded by the engine in load_checkpoint
 
+    def on_exception(self, exception: BaseException) -> None:
+        self._interrupted = True  # teardown must not start a collective gather
+        super().on_exception(exception)
+
     def teardown(self) -> None:
         if self.engine is not None:
-            self.engine.close()  # waits for an async save, raises its error
+            # Waits for an async save (raises its error) and, after a run that ended
+            # normally, leaves the full weights in the module ([Note: no hollow state
+            # dict] in zerostate.runtime.runtime).
+            self.engine.close(whole_model=not self._interrupted)
         if isinstance(self.model, _EngineModule):
             self.model = self.model.module
         super().teardown()

@@ -21,7 +21,11 @@ Same arguments as ``Trainer`` plus ``stage`` and the engine's options. What chan
   and the Trainer skips to the data position it records (keep the global batch, i.e.
   per-device batch x world size, the same);
 - ``save_model(dir)`` writes the gathered fp32 weights with ``save_pretrained`` (a peft
-  model writes its adapter), which ``from_pretrained`` loads.
+  model writes its adapter), which ``from_pretrained`` loads;
+- when ``train()`` returns, the engine is closed and the model holds its full trained
+  weights at every stage, stage 3 included: ``model.save_pretrained(dir)`` or
+  ``torch.save(model.state_dict(), path)`` on rank 0 writes them, and evaluation runs on
+  the plain model. A ``train()`` that raises leaves the model as it is.
 
 The number of batches per epoch must be a multiple of ``gradient_accumulation_steps``
 (the engine steps every that many micro-batches; the stock Trainer also steps on a
@@ -142,8 +146,17 @@ class ZeroStateTrainer(transformers.Trainer):
             self.optimizer = _EngineOptimizer(self.engine)
         return self.optimizer
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().train(*args, **kwargs)
+        if self.engine is not None:
+            # Every rank returns from train() here; after an exception the others may be
+            # stuck, so only a normal end gathers ([Note: no hollow state dict] in
+            # zerostate.runtime.runtime).
+            self.engine.close()
+        return output
+
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None):
-        if self._engine_module is None:  # evaluation before training: the plain model
+        if self._engine_module is None or self.engine.closed:  # the plain model
             return super()._wrap_model(model, training, dataloader)
         return self._engine_module
 

@@ -35,6 +35,19 @@ that skips a head), they continue with synchronous exchanges for the rest of tha
 otherwise every rank raises :class:`GroupMismatchError` naming the units and the fix. At
 the end of every forward the ranks compare which units they entered (one small exchange),
 which catches a rank that skipped trailing units.
+
+[Note: no hollow state dict]
+Outside a gather a partitioned parameter has its full shape and zero bytes of storage
+([Note: partitioned parameters] in zerostate.runtime.group). A ``state_dict()`` of such a
+module would hand out tensors whose shapes look right and whose storage is empty: saved
+with ``torch.save``, they give a file ``torch.load`` cannot read. Gathering inside
+``state_dict()`` would make it collective, and a script that calls it on rank 0 only would
+hang, so every module that owns a partitioned parameter gets a state-dict pre-hook that
+raises naming the calls that work: ``engine.full_state_dict()`` and ``engine.gathered()``.
+At the end of training ``engine.close()`` gathers every group for good and removes the
+runtime's hooks (:meth:`GroupRuntime.detach`), so the module is a plain torch module with
+its full trained weights: ``model.state_dict()``, ``torch.save`` and ``save_pretrained``
+work as without zerostate, at the cost of the full working parameters once per rank.
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from zerostate import collectives
 from zerostate.comm import CommContext, InFlight, all_gather_groups
@@ -119,6 +133,9 @@ class GroupRuntime:
         self._entered: list[int] = []
         self._in_forward = False
         self._gathered_depth = 0
+        self._hooks: list[RemovableHandle] = []  # on the model; removed by detach()
+        #: Every group gathered for good, the hooks gone ([Note: no hollow state dict]).
+        self.detached = False
 
     # -- construction ----------------------------------------------------------------
     def setup(self, model: nn.Module, config: Any) -> None:
@@ -140,9 +157,14 @@ class GroupRuntime:
             pairs = [(module, self._group(name, m)) for name, module, m in members]
             self._reduce_order = [g for _, g in reversed(pairs)] + [self.root]
             for module, group in pairs:
-                module.register_forward_pre_hook(self._make_pre_forward(group), with_kwargs=True)
-                module.register_forward_hook(self._make_post_forward(group))
-            model.register_forward_pre_hook(self._guard_outside_call)
+                self._hooks += [
+                    module.register_forward_pre_hook(
+                        self._make_pre_forward(group), with_kwargs=True
+                    ),
+                    module.register_forward_hook(self._make_post_forward(group)),
+                ]
+            self._hooks.append(model.register_forward_pre_hook(self._guard_outside_call))
+            self._guard_state_dicts(model)
         else:
             frozen = [sp for sp in self.params if not sp.trainable]
             for members in split_into_buckets(list(reversed(self.trainable)), self.bucket_numel):
@@ -204,6 +226,15 @@ class GroupRuntime:
                 "with empty weights; call engine(...) to train, or run evaluation, "
                 "generate() and save_pretrained() inside `with engine.gathered():`"
             )
+
+    def _guard_state_dicts(self, model: nn.Module) -> None:
+        """[Note: no hollow state dict]: a pre-hook on every module owning a partitioned
+        parameter, so ``state_dict()`` of the model or of any submodule is covered."""
+        partitioned = {id(sp.param) for sp in self.params}
+        for module in model.modules():
+            owned = [p for p in module._parameters.values() if p is not None]
+            if any(id(p) in partitioned for p in owned):
+                self._hooks.append(module.register_state_dict_pre_hook(_refuse_hollow))
 
     def _make_pre_forward(self, group: ParamGroup):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -427,7 +458,7 @@ class GroupRuntime:
         self.release_all()
 
     def release_all(self) -> None:
-        if self._gathered_depth:
+        if self._gathered_depth or self.detached:
             return
         for group in self.groups:
             group.release()
@@ -553,7 +584,8 @@ class GroupRuntime:
             for g in self.groups
             if wanted is None or any(id(sp.param) in wanted for sp in g.params)
         ]
-        if self.policy.shard_params:
+        partitioned = self.policy.shard_params and not self.detached
+        if partitioned:
             self._inflight.drain()
             self.release_all()
             for group in groups:
@@ -569,9 +601,25 @@ class GroupRuntime:
                 for group in groups:
                     if group.state is GroupState.GATHERED:
                         group.write_back()
-            if self.policy.shard_params:
+            if partitioned:
                 for group in groups:
                     group.release()
+
+    def detach(self) -> None:
+        """End of training: gather every group for good and remove the runtime's hooks
+        from the model, which keeps its full working parameters ([Note: no hollow state
+        dict]). Collective when the parameters are partitioned; idempotent."""
+        if self.detached:
+            return
+        if self.policy.shard_params:
+            self._inflight.drain()
+            self.release_all()
+            for group in self.groups:  # the same order on every rank
+                self._gather_now(group)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.detached = True
 
     # -- accounting ------------------------------------------------------------------------
     def bytes_held(self) -> dict[str, int]:
@@ -587,6 +635,25 @@ def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     # with what follows on the device's stream (ordered before any later use there).
     if pairs:
         torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs], non_blocking=True)
+
+
+def _refuse_hollow(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """State-dict pre-hook of a module owning partitioned parameters ([Note: no hollow
+    state dict])."""
+    hollow = [
+        prefix + name
+        for name, p in module._parameters.items()
+        if p is not None and p.numel() and not p.untyped_storage().nbytes()
+    ]
+    if hollow:
+        raise StageUsageError(
+            f"state_dict() at stage 3: {hollow[0]} (and every parameter outside a gather) "
+            "is partitioned across the ranks and holds no values here, so the state dict "
+            "would be empty tensors of the right shapes. Use engine.full_state_dict() "
+            "(collective: call it on every rank; full fp32 values), or call state_dict() / "
+            "save_pretrained() inside `with engine.gathered():` on every rank; after "
+            "training, engine.close() leaves the full weights in the model"
+        )
 
 
 def _in_backward() -> bool:
