@@ -28,7 +28,7 @@ from zerostate.layout import (
     to_json,
     tp_chunk,
 )
-from zerostate.layout_plan import Copy, plan
+from zerostate.layout_plan import Copy, _plan_bands, _plan_consolidate, _plan_general, plan
 from zerostate.partition import TensorLayout, chunk_numel_for, even_layout
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,12 +75,14 @@ def apply(copies_by_piece: dict, sources: dict, target: MeshLayout) -> dict:
         numel = target.piece_numel(pid)
         buf = torch.empty(numel, dtype=torch.int64)
         hits = torch.zeros(numel, dtype=torch.int64)
-        for c in copies_by_piece[pid]:
-            assert c.numel > 0
-            buf[c.target_offset : c.target_offset + c.numel] = sources[c.source][
-                c.source_offset : c.source_offset + c.numel
-            ]
-            hits[c.target_offset : c.target_offset + c.numel] += 1
+        for copy in copies_by_piece[pid]:
+            assert copy.numel > 0 and copy.rows > 0
+            assert copy.rows > 1 or copy.source_stride == copy.target_stride == 0
+            for c in copy.flat():
+                buf[c.target_offset : c.target_offset + c.numel] = sources[c.source][
+                    c.source_offset : c.source_offset + c.numel
+                ]
+                hits[c.target_offset : c.target_offset + c.numel] += 1
         assert torch.all(hits == 1), pid
         out[pid] = buf
     assert set(copies_by_piece) == set(out)
@@ -94,7 +96,7 @@ def same(a: dict, b: dict) -> bool:
 # -- strategies ------------------------------------------------------------------------------
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple) | st.sampled_from(
-    [(17, 257), (257,), (3, 1, 5), (1,), (0, 4), (7, 3)]
+    [(17, 257), (257,), (3, 1, 5), (1,), (0, 4), (7, 3), (45, 3), (37, 2, 3)]
 )
 
 
@@ -223,6 +225,23 @@ def test_plan_applied_to_data_equals_the_target_split(pair):
 
 @SETTINGS
 @given(layout_pairs())
+def test_every_planning_path_gives_the_target_split(pair):
+    # plan() picks one path per pair; each path must be right on every pair it accepts, so the
+    # row-band path is also run on the few-rows pairs it is not picked for, and vice versa.
+    source, target = pair
+    x = global_tensor(source.shape)
+    sources, expect = ref_split(x, source), ref_split(x, target)
+    dims = {layout.tp_dim for layout in pair if layout.tp_sharded}
+    if len(dims) == 1 and source.numel:
+        assert same(apply(_plan_bands(source, target, dims.pop()), sources, target), expect)
+    if source.numel:
+        assert same(apply(_plan_general(source, target), sources, target), expect)
+    if source.numel and target.num_tp_pieces == target.dp_shard == 1 and not target.tp_sharded:
+        assert same(apply(_plan_consolidate(source), sources, target), expect)
+
+
+@SETTINGS
+@given(layout_pairs())
 def test_there_and_back_is_byte_identical_and_every_path_consolidates_alike(pair):
     a, b = pair
     x = global_tensor(a.shape)
@@ -245,9 +264,14 @@ def test_cheap_paths_plan_few_copies():
     assert max(len(c) for c in dp_only.values()) <= 44
     assert all(c.source[0] == pid[0] for pid, cs in dp_only.items() for c in cs)
     one = plan(a, MeshLayout(shape=shape))
-    assert sum(c.numel for c in one[(0, 0)]) == 4096 * 1000
-    # One copy per row of each tp shard, plus dp cuts that fall inside a row.
-    assert len(one[(0, 0)]) <= 4096 * 8 + 8 * 128
+    assert sum(c.total_numel for c in one[(0, 0)]) == 4096 * 1000
+    # Row bands: at most three copies per source piece, not one per row of each tp shard.
+    assert len(one[(0, 0)]) <= 3 * 8 * 128
+    assert max(c.rows for c in one[(0, 0)]) >= 4096 // 128 - 2
+    # Across shard dims there is no common row, so one copy per overlap of segments.
+    other = plan(a, MeshLayout(shape=shape, tp_dim=0, tp_degree=2, dp_shard=2))
+    assert sum(c.total_numel for cs in other.values() for c in cs) == 4096 * 1000
+    assert all(c.rows == 1 for cs in other.values() for c in cs)
 
 
 def test_plan_refuses_another_global_shape():
@@ -360,6 +384,7 @@ REALISTIC = {
     "embedding 128256x4096 Shard(0)": ((128256, 4096), 0, ()),
     "fused qkv 6144x4096 Shard(0)": ((6144, 4096), 0, (4096, 1024, 1024)),
     "fused gate/up 22016x4096 Shard(0)": ((22016, 4096), 0, (11008, 11008)),
+    "embedding 128256x4096 Shard(1)": ((128256, 4096), 1, ()),
 }
 
 
@@ -379,6 +404,10 @@ def test_tp8_dp128_plans_in_well_under_a_second(case):
             start = time.perf_counter()
             result = plan(src, dst)
             elapsed = time.perf_counter() - start
-            assert elapsed < 3.0, (case, dst, elapsed)  # 0.01-0.54 s measured on 2 shared cores
-            assert sum(c.numel for cs in result.values() for c in cs) == math.prod(shape)
-            assert all(isinstance(c, Copy) for c in next(iter(result.values())))
+            # 4-19 ms of CPU each where measured; the bound leaves room for a loaded machine.
+            assert elapsed < 1.0, (case, dst, elapsed)
+            copies = [c for cs in result.values() for c in cs]
+            assert sum(c.total_numel for c in copies) == math.prod(shape)
+            # Row bands keep Shard(1) tensors at a few copies per piece, not one per row.
+            assert len(copies) <= 2 * (len(src.piece_ids()) + len(dst.piece_ids()))
+            assert all(isinstance(c, Copy) for c in copies)
