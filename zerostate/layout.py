@@ -282,24 +282,24 @@ class StoredPiece:
     stop: int
 
 
+def _check_piece(layout: MeshLayout, piece: StoredPiece, name: str) -> None:
+    t, start, stop = piece.tp_index, piece.start, piece.stop
+    if not all(_is_int(v) for v in (t, start, stop)):
+        raise _fail(name, f"piece {piece} has a non-integer field")
+    if not 0 <= t < layout.num_tp_pieces:
+        raise _fail(name, f"tp shard index {t} beyond its count {layout.num_tp_pieces}")
+    local = math.prod(layout.local_shape(t))
+    if not 0 <= start <= stop <= local:
+        raise _fail(name, f"piece range [{start}, {stop}) outside tp shard {t} of {local} elements")
+
+
 def stored_segments(
     layout: MeshLayout, pieces: Sequence[StoredPiece], name: str
 ) -> list[list[Segment]]:
     """Global segments of each stored piece, after checking its tp index and range."""
-    out = []
     for piece in pieces:
-        t, start, stop = piece.tp_index, piece.start, piece.stop
-        if not all(_is_int(v) for v in (t, start, stop)):
-            raise _fail(name, f"piece {piece} has a non-integer field")
-        if not 0 <= t < layout.num_tp_pieces:
-            raise _fail(name, f"tp shard index {t} beyond its count {layout.num_tp_pieces}")
-        local = math.prod(layout.local_shape(t))
-        if not 0 <= start <= stop <= local:
-            raise _fail(
-                name, f"piece range [{start}, {stop}) outside tp shard {t} of {local} elements"
-            )
-        out.append(layout.local_segments(t, start, stop))
-    return out
+        _check_piece(layout, piece, name)
+    return [layout.local_segments(p.tp_index, p.start, p.stop) for p in pieces]
 
 
 def check_tiling(numel: int, pieces: Mapping[Any, Sequence[Segment]], name: str) -> None:
@@ -337,9 +337,28 @@ def check_tiling(numel: int, pieces: Mapping[Any, Sequence[Segment]], name: str)
 
 def check_stored_pieces(layout: MeshLayout, pieces: Sequence[StoredPiece], name: str) -> None:
     """Check stored pieces given as tp index + dp range against ``layout``: in range, and
-    tiling the global tensor exactly."""
-    segs = stored_segments(layout, pieces, name)
-    check_tiling(layout.numel, dict(enumerate(segs)), name)
+    tiling the global tensor exactly.
+
+    The tp cut maps the tp shards' elements one to one onto the global tensor, so the pieces
+    tile it exactly iff in every tp shard their ranges tile the flattened shard: a 1-D check
+    of the ranges, however many rows (and global segments) a piece spans."""
+    by_shard: dict[int, list[tuple[int, int]]] = {t: [] for t in range(layout.num_tp_pieces)}
+    for piece in pieces:
+        _check_piece(layout, piece, name)
+        if piece.stop > piece.start:
+            by_shard[piece.tp_index].append((piece.start, piece.stop))
+    for t, ranges in by_shard.items():
+        ranges.sort()
+        pos = 0
+        for lo, hi in ranges:
+            if lo < pos:
+                raise _fail(name, f"tp shard {t}: pieces overlap at element {lo}")
+            if lo > pos:
+                raise _fail(name, f"tp shard {t}: elements [{pos}, {lo}) are in no piece")
+            pos = hi
+        local = math.prod(layout.local_shape(t))
+        if pos != local:
+            raise _fail(name, f"tp shard {t}: elements [{pos}, {local}) are in no piece")
 
 
 # -- JSON -----------------------------------------------------------------------------------
