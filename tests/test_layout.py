@@ -232,9 +232,9 @@ def test_every_planning_path_gives_the_target_split(pair):
     source, target = pair
     x = global_tensor(source.shape)
     sources, expect = ref_split(x, source), ref_split(x, target)
-    dims = {layout.tp_dim for layout in pair if layout.tp_sharded}
-    if len(dims) == 1 and source.numel:
-        assert same(apply(_plan_bands(source, target, dims.pop()), sources, target), expect)
+    dims = [layout.tp_dim for layout in pair if layout.tp_sharded]
+    if dims and source.numel:
+        assert same(apply(_plan_bands(source, target, max(dims)), sources, target), expect)
     if source.numel:
         assert same(apply(_plan_general(source, target), sources, target), expect)
     if source.numel and target.num_tp_pieces == target.dp_shard == 1 and not target.tp_sharded:
@@ -269,10 +269,14 @@ def test_cheap_paths_plan_few_copies():
     # Row bands: at most three copies per source piece, not one per row of each tp shard.
     assert len(one[(0, 0)]) <= 3 * 8 * 128
     assert max(c.rows for c in one[(0, 0)]) >= 4096 // 128 - 2
-    # Across shard dims there is no common row, so one copy per overlap of segments.
+    # Across shard dims the dim-0 side is whole rows of dim 1: bands again.
     other = plan(a, MeshLayout(shape=shape, tp_dim=0, tp_degree=2, dp_shard=2))
     assert sum(c.total_numel for cs in other.values() for c in cs) == 4096 * 1000
-    assert all(c.rows == 1 for cs in other.values() for c in cs)
+    assert sum(len(cs) for cs in other.values()) <= 3 * 8 * 128 + 2 * 3 * 8
+    # With fewer rows than dp pieces there are flat segments, one copy per overlap.
+    few = MeshLayout(shape=(64, 1000), tp_dim=1, tp_degree=8, dp_shard=128)
+    flat = plan(few, MeshLayout(shape=(64, 1000), tp_dim=0, tp_degree=2, dp_shard=2))
+    assert all(c.rows == 1 for cs in flat.values() for c in cs)
 
 
 def test_plan_refuses_another_global_shape():
@@ -425,6 +429,7 @@ REALISTIC = {
     "fused gate/up 22016x4096 Shard(0)": ((22016, 4096), 0, (11008, 11008)),
     "embedding 128256x4096 Shard(1)": ((128256, 4096), 1, ()),
 }
+OTHER_DIM = {0: 1, 1: 0}
 
 
 @pytest.mark.parametrize("case", sorted(REALISTIC))
@@ -437,6 +442,7 @@ def test_tp8_dp128_plans_in_well_under_a_second(case):
         MeshLayout(shape=shape, tp_dim=dim, tp_degree=4, fused_sizes=fused, dp_shard=64),
         MeshLayout(shape=shape, dp_shard=8, min_shard_numel=1 << 16),
         MeshLayout(shape=shape, tp_dim=dim, tp_degree=8, fused_sizes=fused, dp_shard=3),
+        MeshLayout(shape=shape, tp_dim=OTHER_DIM[dim], tp_degree=2, dp_shard=4),
     ]
     for target in targets:
         for src, dst in ((big, target), (target, big)):
@@ -448,5 +454,5 @@ def test_tp8_dp128_plans_in_well_under_a_second(case):
             copies = [c for cs in result.values() for c in cs]
             assert sum(c.total_numel for c in copies) == math.prod(shape)
             # Row bands keep Shard(1) tensors at a few copies per piece, not one per row.
-            assert len(copies) <= 2 * (len(src.piece_ids()) + len(dst.piece_ids()))
+            assert len(copies) <= 4 * (len(src.piece_ids()) + len(dst.piece_ids()))
             assert all(isinstance(c, Copy) for c in copies)

@@ -9,24 +9,25 @@ Three paths, all giving plans that cover every target element exactly once:
 * **same tp cut** (only the data-parallel cut differs): tp shard ``t`` is the same local
   tensor on both sides, so each target piece is 1-D range intersection with the source's
   chunk grid of shard ``t`` (:func:`zerostate.partition.chunk_reads`), a few copies per piece;
-* **same shard dim, many rows** (tp degree or fused split changes, or one side, tp 1 x dp 1
-  included, is not tp-sharded, and the rows before the shard dim outnumber the dp pieces):
-  see [Note: row bands];
+* **many rows** (the rows before the inner shard dim of the two sides outnumber the dp
+  pieces): see [Note: row bands];
 * **consolidation** otherwise, when the target is tp 1 x dp 1: the target piece is the global
   tensor itself, so every source segment is one copy to its global offset;
-* **general** (the two sides shard different dims, or few rows): every source segment sorted
-  by global start, and each target segment walks the sorted list from a bisection (sorted
-  interval intersection), one copy per overlap.
+* **general** (few rows): every source segment sorted by global start, and each target
+  segment walks the sorted list from a bisection (sorted interval intersection), one copy
+  per overlap.
 
 [Note: row bands]
 Around a shard dim ``d`` every layout of a tensor views it as ``outer`` rows of
-``prod(shape[d:])`` elements, and a piece holds, in every row it covers fully, the same runs of
-columns (one per fused sub-tensor), ``piece_stride`` elements further on in the piece for each
-next row. So a piece is at most three *bands* (a partial first row, whole rows, a partial last
-row), each a list of ``(column, length, piece offset)`` runs repeated over rows. Intersecting a
-target band with a source band is intersecting their runs once, over the rows both cover: one
-:class:`Copy` with ``rows`` > 1 and both strides. A ``Shard(1)`` tensor of 128256 rows at tp 8
-thus plans in about a thousand copies, where one copy per row and piece would be a million.
+``prod(shape[d:])`` elements, and a piece of a layout sharded on ``d`` holds, in every row it
+covers fully, the same runs of columns (one per fused sub-tensor), ``piece_stride`` elements
+further on in the piece for each next row: at most three *bands* (a partial first row, whole
+rows, a partial last row), each a list of ``(column, length, piece offset)`` runs repeated over
+rows. A piece of a layout sharded on an outer dim (or not at all) is a few global segments,
+whole rows but for their ends: three bands per segment. Intersecting a target band with a
+source band is intersecting their runs once, over the rows both cover: one :class:`Copy` with
+``rows`` > 1 and both strides. A ``Shard(1)`` tensor of 128256 rows at tp 8 thus plans in about
+a thousand copies, where one copy per row and piece would be a million.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ def plan(source: MeshLayout, target: MeshLayout, name: str = "<tensor>") -> Plan
         return _plan_dp_only(source, target)
     if target.numel == 0:
         return {pid: [] for pid in target.piece_ids()}
-    dims = {x.tp_dim for x in (source, target) if x.tp_sharded}
-    if len(dims) == 1:
-        dim = dims.pop()
+    dims = [x.tp_dim for x in (source, target) if x.tp_sharded]
+    if dims:
+        dim = max(dims)  # the other side, sharded on an outer dim, is whole rows of this one
         # Bands pay off when rows outnumber dp pieces; with few rows, pieces share rows and
         # pairing bands row by row is quadratic, while segments are few (a row's runs each).
         if math.prod(source.shape[:dim]) > 4 * max(source.dp_shard, target.dp_shard):
@@ -127,32 +128,49 @@ the first row)``, sorted by column ([Note: row bands])."""
 
 
 def _bands(layout: MeshLayout, pid: PieceId, dim: int) -> list[Band]:
-    start, stop = layout.dp_layout(pid[0]).owned_range(pid[1])
+    """The bands of a piece in rows of ``prod(shape[dim:])`` elements. A piece of a layout
+    sharded on ``dim`` repeats its tp blocks in every row; any other piece (not tp-sharded, or
+    sharded on an outer dim) is a few global segments, each whole rows but for its ends."""
+    inner = math.prod(layout.shape[dim + 1 :])
+    if layout.tp_sharded and layout.tp_dim == dim:
+        start, stop = layout.dp_layout(pid[0]).owned_range(pid[1])
+        spans = [(g * inner, n * inner, lr * inner) for g, n, lr in layout.tp_blocks(pid[0])]
+        return _range_bands(start, stop, spans, 0)
+    row = layout.shape[dim] * inner
+    return [
+        band
+        for g, n, off in layout.segments(pid)
+        for band in _range_bands(g, g + n, [(0, row, 0)], off)
+    ]
+
+
+def _range_bands(
+    start: int, stop: int, spans: list[tuple[int, int, int]], offset: int
+) -> list[Band]:
+    """Bands of elements ``[start, stop)`` of a flat range whose rows each hold ``spans``
+    (``(column, length, position in the row)``); the element at ``start`` is at piece offset
+    ``offset``."""
     if stop <= start:
         return []
-    inner = math.prod(layout.shape[dim + 1 :])
-    if layout.tp_sharded:
-        blocks = layout.tp_blocks(pid[0])
-    else:
-        blocks = [(0, layout.shape[dim], 0)]  # not tp-sharded: a row is one run
-    spans = [(g * inner, n * inner, lr * inner) for g, n, lr in blocks]
     stride = sum(n for _, n, _ in spans)
     first, last = start // stride, (stop - 1) // stride
+    shift = offset - start
 
     def clipped(row: int) -> Band:
         runs = []
-        for col, n, local in spans:
-            lo, hi = max(row * stride + local, start), min(row * stride + local + n, stop)
+        base = row * stride
+        for col, n, pos in spans:
+            lo, hi = max(base + pos, start), min(base + pos + n, stop)
             if lo < hi:
-                runs.append((col + lo - row * stride - local, hi - lo, lo - start))
+                runs.append((col + lo - base - pos, hi - lo, lo + shift))
         return row, row + 1, runs, 0
 
     body_first = first if start == first * stride else first + 1
     body_stop = last + 1 if stop == (last + 1) * stride else last
     bands = [] if body_first == first else [clipped(first)]
     if body_first < body_stop:
-        base = body_first * stride - start
-        bands.append((body_first, body_stop, [(c, n, base + lr) for c, n, lr in spans], stride))
+        base = body_first * stride + shift
+        bands.append((body_first, body_stop, [(c, n, base + p) for c, n, p in spans], stride))
     if body_stop <= last and (last != first or body_first == first):
         bands.append(clipped(last))
     return bands
