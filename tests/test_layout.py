@@ -317,6 +317,7 @@ GOOD = to_json(MeshLayout(shape=(12, 8), tp_dim=0, tp_degree=2, fused_sizes=(8, 
         ({"first_owners": [0]}, "first_owners"),
         ({"shape": "12x8"}, "shape"),
         ({"fused_sizes": []}, "canonical"),
+        ({"tp_degree": 10**12, "first_owners": []}, "tp_degree 1000000000000"),
     ],
 )
 def test_hostile_layout_json_is_refused_in_one_line(change, problem):

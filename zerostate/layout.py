@@ -99,7 +99,9 @@ class MeshLayout:
         object.__setattr__(self, "shape", tuple(self.shape))
         object.__setattr__(self, "fused_sizes", fused)
         pieces = self.tp_degree if self.tp_dim is not None else 1
-        owners = tuple(self.first_owners) or (0,) * (pieces if _is_int(pieces) else 0)
+        # A hostile degree must be refused by check_layout, not allocated here first.
+        valid = _is_int(pieces) and 1 <= pieces <= MAX_DEGREE
+        owners = tuple(self.first_owners) or (0,) * (pieces if valid else 0)
         object.__setattr__(self, "first_owners", owners)
         check_layout(self)
 
