@@ -387,9 +387,9 @@ def test_stored_pieces_of_a_tp8_dp128_embedding_are_checked_without_walking_rows
     pieces = [
         StoredPiece(t, *layout.dp_layout(t).owned_range(r)) for t in range(8) for r in range(128)
     ]
-    start = time.perf_counter()
+    start = time.process_time()
     check_stored_pieces(layout, pieces, "w")
-    assert time.perf_counter() - start < 0.5  # 1024 ranges; their global segments are 1M
+    assert time.process_time() - start < 0.5  # 1024 ranges; their global segments are 1M
     with pytest.raises(LayoutError, match="tp shard 7: elements"):
         check_stored_pieces(layout, pieces[:-1], "w")
 
@@ -447,10 +447,11 @@ def test_tp8_dp128_plans_in_well_under_a_second(case):
     ]
     for target in targets:
         for src, dst in ((big, target), (target, big)):
-            start = time.perf_counter()
+            # CPU time, not wall time: peers' jobs share the cores and stretch the wall clock.
+            start = time.process_time()
             result = plan(src, dst)
-            elapsed = time.perf_counter() - start
-            # 4-19 ms of CPU each where measured; the bound leaves room for a loaded machine.
+            elapsed = time.process_time() - start
+            # 4-55 ms each where measured; the bound leaves room for a slower machine.
             assert elapsed < 1.0, (case, dst, elapsed)
             copies = [c for cs in result.values() for c in cs]
             assert sum(c.total_numel for c in copies) == math.prod(shape)
