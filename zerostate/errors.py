@@ -27,6 +27,12 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """Metadata is malformed, or a chunk is missing, truncated or fails its checksum."""
 
 
+class LayoutError(CorruptCheckpointError):
+    """A tensor's tensor- or data-parallel layout is inconsistent, or its stored pieces do not
+    tile it exactly; one line naming the tensor and the problem. Layouts built in memory use it
+    too, so a reader and a writer refuse the same layouts with the same words."""
+
+
 class UnsafeNameError(CheckpointError, ValueError):
     """A tensor name or step read from storage would escape the checkpoint directory."""
 
