@@ -96,6 +96,52 @@ def test_hsdp_parity_with_single_process_training() -> None:
         assert sgd_err <= 1e-5, (stage, sgd_err)
 
 
+def _composition_worker(rank: int, world_size: int) -> dict:
+    mesh = _hsdp_mesh()
+    out = {}
+    ref = reference_run(make_model(), STEPS, accum=2, grad_clip=0.05)
+    for stage in (1, 2, 3):
+        engine = make_engine(
+            make_model(), stage=stage, mesh=mesh, grad_accum_steps=2, grad_clip=0.05
+        )
+        losses = engine_steps(engine, rank, world_size, STEPS, accum=2)
+        out[("accum_clip", stage)] = compare(losses, ref[0], engine.full_state_dict(), ref[1])
+        out[("norm", stage)] = engine.last_grad_norm
+    ref = reference_run(make_model(), STEPS)
+    engine = make_engine(make_model(), stage=2, mesh=mesh, offload="optimizer")
+    losses = engine_steps(engine, rank, world_size, STEPS)
+    out["offload"] = compare(losses, ref[0], engine.full_state_dict(), ref[1])
+    # An overflow on one rank of one replica skips the step on every rank of the mesh.
+    engine = make_engine(make_model(), stage=2, mesh=mesh, precision="fp16")
+    before = engine.full_state_dict()
+    x, y = batch(0, 0)
+    loss = engine(local(x, rank, world_size), local(y, rank, world_size))
+    engine.backward(loss * float("inf") if rank == world_size - 1 else loss)
+    out["overflow_stepped"] = engine.step()
+    out["overflow_scale"] = engine.loss_scale
+    after = engine.full_state_dict()
+    out["overflow_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_composes_with_accumulation_clipping_offload_and_fp16_overflow() -> None:
+    results = run_distributed(_composition_worker, 4, timeout=400)
+    for r in results:
+        assert r == results[0]  # norms, verdicts, scales and gathered state agree everywhere
+    r = results[0]
+    for stage in (1, 2, 3):
+        loss_err, param_err, worst = r[("accum_clip", stage)]
+        print(f"HSDP 2x2 stage {stage} accum 2 + clip: loss {loss_err:.2e} param {param_err:.2e}")
+        assert loss_err <= TOL and param_err <= TOL, (stage, worst)
+        assert r[("norm", stage)] > 0.05  # clipping was active
+    loss_err, param_err, worst = r["offload"]
+    print(f"HSDP 2x2 stage 2 offload: loss {loss_err:.2e} param {param_err:.2e}")
+    assert loss_err <= TOL and param_err <= TOL, worst
+    assert r["overflow_stepped"] is False and r["overflow_unchanged"]
+    assert r["overflow_scale"] == 2.0**15
+
+
 def _comm_memory_worker(rank: int, world_size: int) -> dict:
     mesh = _hsdp_mesh()
     out = {"psi": sum(p.numel() for p in make_model(**WIDE).parameters())}
