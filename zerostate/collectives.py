@@ -109,6 +109,15 @@ def is_device_mesh(obj: Any) -> bool:
     return isinstance(obj, DeviceMesh)
 
 
+def is_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` is a DTensor (a parameter that ``parallelize_module`` sharded)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
+
+
 def _count(stats: CommStats | None, kind: str, numel: int, tensor: torch.Tensor) -> None:
     if stats is not None:
         stats.record(kind, numel, tensor.element_size())

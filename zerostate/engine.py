@@ -93,6 +93,14 @@ def _validate_model(model: Any, config: EngineConfig) -> None:
             f"parameters live on several devices {sorted(map(str, devices))}; move the "
             "model to one device (each rank trains a full replica's worth of shards)"
         )
+    distributed = [name for name, p in params if collectives.is_dtensor(p)]
+    if distributed:
+        raise ConfigError(
+            f"{len(distributed)} parameter(s) ({', '.join(distributed[:3])}) are DTensors, "
+            "sharded by tensor parallelism (parallelize_module); training DTensor "
+            "parameters is not supported yet: build the Engine on the model before "
+            "parallelize_module, with a ('dp_shard',) or ('dp_replicate', 'dp_shard') mesh"
+        )
     for name, p in params:
         # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
         if not p.is_floating_point() and (p.requires_grad or p.is_meta):

@@ -259,6 +259,23 @@ def test_unsupported_meshes_fail_before_any_collective_naming_the_fix() -> None:
     assert "pass only mesh=" in r["with_group"]
 
 
+def _dtensor_worker(rank: int, world_size: int) -> str:
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    model = parallelize_module(torch.nn.Linear(8, 8), mesh, ColwiseParallel())
+    try:
+        zerostate.Engine(model)
+    except ConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_dtensor_parameters_are_refused_naming_the_parameter() -> None:
+    message = run_distributed(_dtensor_worker, 1, timeout=60)[0]
+    assert "2 parameter(s) (weight, bias) are DTensors" in message, message
+
+
 def test_mesh_spanning_fewer_ranks_than_the_world_is_refused() -> None:
     from zerostate.runtime import mesh as meshes
 
