@@ -60,6 +60,7 @@ from zerostate.runtime import mesh as meshes
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
+from zerostate.store.root import CheckpointRoot
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -708,10 +709,18 @@ class Engine:
         if self._mesh is None:
             return save()
         # [Note: one replica writes] (zerostate.runtime.mesh)
-        steps = self.optimizer_steps if step is None else int(step)
-        return meshes.save_on_first_replica(
-            self._mesh, save, lambda: SaveHandle(steps, path, None, 0.0), self.device
-        )
+        number = self.optimizer_steps if step is None else int(step)
+
+        def skipped() -> SaveHandle:
+            if blocking:
+                return SaveHandle(number, path, None, 0.0)  # replica 0's verdict follows
+            root = CheckpointRoot.open(path, storage_options)
+            watch = meshes.watch_commit(
+                lambda: root.is_committed(number), f"step {number}", self._ckpt().timeout_s
+            )
+            return SaveHandle(number, path, watch, 0.0)
+
+        return meshes.save_on_first_replica(self._mesh, save, skipped, self.device)
 
     def load(
         self,

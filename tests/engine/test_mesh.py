@@ -213,6 +213,11 @@ def _round_trip_worker(rank: int, world_size: int, root: str) -> dict:
         engine_steps(resumed, rank, world_size, 2, first_step=3)
         again = resumed.full_state_dict()
         out[stage] = max((uninterrupted[n] - again[n]).abs().max().item() for n in again)
+    # Non-blocking: every replica's handle returns from wait() once the step is committed.
+    handle = engine.save(f"{root}/async", blocking=False)
+    handle.wait()
+    out["async_committed"] = open_checkpoint(f"{root}/async").steps() == [handle.step]
+    engine.close()
     return out
 
 
@@ -225,6 +230,7 @@ def test_hsdp_save_load_round_trip_equals_uninterrupted_training(tmp_path) -> No
         assert worst == 0.0, (stage, worst)
         # One replica wrote: the step is a checkpoint of a dp_shard-sized world.
         assert open_checkpoint(str(tmp_path / f"stage{stage}")).step().world_size == HSDP[0][1]
+    assert all(r["async_committed"] for r in results)
 
 
 def _errors_worker(rank: int, world_size: int) -> dict:

@@ -32,14 +32,20 @@ world of the checkpoint, as without a mesh); the other replicas write nothing an
 replica 0's verdict (one exchange over ``dp_replicate``), so a failed save fails on every
 rank and a blocking save returns everywhere only after the step is committed. The stored
 checkpoint is therefore exactly the one a ``dp_shard``-sized world writes, and loads at
-any world size. A non-blocking save returns at once on the other replicas; its errors
-surface on replica 0 (at its next save, ``wait()`` or ``close()``), and the next save
-shares them with every replica.
+any world size. A non-blocking save agrees the same way on its preparation (replica 0
+returns once its snapshot is taken); the other replicas' handles then watch storage for
+the step's commit record (:func:`watch_commit`), so ``handle.wait()`` returns on every rank
+only once the step is committed. A background failure surfaces on replica 0 (at its next
+save, ``wait()`` or ``close()``, and that save's verdict reaches every replica); the other
+replicas' ``wait()`` raises at the commit timeout.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +54,7 @@ import torch
 from zerostate import collectives
 from zerostate.collectives import KINDS, CommStats
 from zerostate.comm import Replicas
-from zerostate.errors import CheckpointError, ConfigError
+from zerostate.errors import CheckpointError, CommitTimeoutError, ConfigError
 
 #: Mesh dimension names the engine understands, outermost first.
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
@@ -179,6 +185,31 @@ def save_on_first_replica(
         error_cls=CheckpointError,
     )
     return result
+
+
+def watch_commit(committed: Callable[[], bool], what: str, timeout_s: float) -> Future:
+    """A future that completes once ``committed()`` is true, checked on a daemon thread
+    every 50 ms, or fails with :class:`CommitTimeoutError` after ``timeout_s`` seconds
+    ([Note: one replica writes]). Daemon: a process that exits is never held by it."""
+    future: Future = Future()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not committed():
+                if time.monotonic() > deadline:
+                    raise CommitTimeoutError(
+                        f"{what} was not committed by replica 0 of dp_replicate within "
+                        f"{timeout_s:g} s; see the error replica 0 raised"
+                    )
+                time.sleep(0.05)
+        except Exception as exc:  # handed to whoever waits on the handle
+            future.set_exception(exc)
+            return
+        future.set_result(None)
+
+    threading.Thread(target=watch, name="zs-commit-watch", daemon=True).start()
+    return future
 
 
 def sum_reports(reports: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
