@@ -100,6 +100,24 @@ def group_info(group: Any) -> tuple[int, int]:
     return rank, size
 
 
+def is_device_mesh(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.device_mesh.DeviceMesh``."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(obj, DeviceMesh)
+
+
+def is_dtensor(obj: Any) -> bool:
+    """Whether ``obj`` is a DTensor (a parameter that ``parallelize_module`` sharded)."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
+
+
 def _count(stats: CommStats | None, kind: str, numel: int, tensor: torch.Tensor) -> None:
     if stats is not None:
         stats.record(kind, numel, tensor.element_size())

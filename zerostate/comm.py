@@ -13,6 +13,8 @@ accumulates or unpacks its result and returns the buffers to the pool.
 * :func:`all_reduce_flat`: a full flat gradient buffer, summed in place. Stage 0.
 * :func:`start_all_gather` / :class:`PendingOp` ``complete()``: owned slices -> full
   tensors. Stages 1-2 after the step, stage 3 per unit, and exports / loads.
+* :func:`all_reduce_replicas`: a reduced gradient (shard) summed across the replicas of a
+  hybrid-sharded mesh ([Note: hybrid sharding] in zerostate.runtime.mesh).
 
 [Note: reduce precision]
 Gradients are communicated in ``CommContext.reduce_dtype`` (``EngineConfig.reduce_dtype``,
@@ -98,8 +100,22 @@ def fp16_predivide_factor(world_size: int) -> float:
 
 
 @dataclass(kw_only=True)
+class Replicas:
+    """The ``dp_replicate`` dimension of a hybrid-sharded mesh: its group, this rank's
+    coordinate in it, its size and its own communication counters."""
+
+    group: Any
+    rank: int
+    size: int
+    stats: CommStats
+
+
+@dataclass(kw_only=True)
 class CommContext:
-    """Everything a collective pattern needs, passed around as one object."""
+    """Everything a collective pattern needs, passed around as one object.
+
+    ``group`` / ``rank`` / ``world_size`` are the group ZeRO partitions over; ``replicas``
+    is the dimension that group is replicated over (hybrid sharding), or None."""
 
     group: Any
     rank: int
@@ -108,12 +124,21 @@ class CommContext:
     reduce_dtype: torch.dtype
     stats: CommStats
     pool: BufferPool
+    replicas: Replicas | None = None
     predivide: float = field(init=False)
 
     def __post_init__(self) -> None:
+        # Against overflow of the sum over every data-parallel rank, replicas included.
         self.predivide = (
-            fp16_predivide_factor(self.world_size) if self.reduce_dtype == torch.float16 else 1.0
+            fp16_predivide_factor(self.num_data_parallel)
+            if self.reduce_dtype == torch.float16
+            else 1.0
         )
+
+    @property
+    def num_data_parallel(self) -> int:
+        """Ranks whose gradients are summed: ``world_size`` times the replicas."""
+        return self.world_size * (1 if self.replicas is None else self.replicas.size)
 
     @property
     def device(self) -> torch.device:
@@ -281,17 +306,41 @@ def reduce_scatter_in_place(
     inflight.add(PendingOp(handle, None, on_complete))
 
 
-def all_reduce_flat(ctx: CommContext, inflight: InFlight, flat: torch.Tensor) -> None:
-    """Sum a full flat gradient buffer over ranks, in place (asynchronously)."""
+def all_reduce_flat(
+    ctx: CommContext,
+    inflight: InFlight,
+    flat: torch.Tensor,
+    *,
+    on_complete: Callable[[], None] | None = None,
+) -> None:
+    """Sum a full flat gradient buffer over ranks, in place (asynchronously); then
+    ``on_complete`` ([Note: completion hooks])."""
     inflight.make_room()
     if ctx.world_size == 1:  # [Note: single rank]
-        inflight.add(PendingOp(_LOCAL, None))
+        inflight.add(PendingOp(_LOCAL, None, on_complete))
         return
     if ctx.predivide != 1.0:
         flat.div_(ctx.predivide)
     handle = collectives.all_reduce(flat, group=ctx.group, stats=ctx.stats, async_op=True)
     factor = ctx.predivide
-    inflight.add(PendingOp(handle, (lambda: flat.mul_(factor)) if factor != 1.0 else None))
+    multiply_back = (lambda: flat.mul_(factor)) if factor != 1.0 else None
+    inflight.add(PendingOp(handle, multiply_back, on_complete))
+
+
+def all_reduce_replicas(ctx: CommContext, reduced: torch.Tensor, *, predivided: bool) -> None:
+    """Sum ``reduced`` (a gradient already summed over ``ctx.group``) over the replicas, in
+    place, blocking; nothing without replicas. ``predivided``: a 16-bit ``reduced`` keeps
+    sums pre-divided by ``ctx.predivide`` ([Note: reduce precision]); otherwise a 16-bit
+    one is divided for the collective and multiplied back, exactly (a power of two)."""
+    replicas = ctx.replicas
+    if replicas is None or replicas.size == 1:  # [Note: single rank]
+        return
+    factor = 1.0 if predivided or reduced.dtype == torch.float32 else ctx.predivide
+    if factor != 1.0:
+        reduced.div_(factor)
+    collectives.all_reduce(reduced, group=replicas.group, stats=replicas.stats)
+    if factor != 1.0:
+        reduced.mul_(factor)
 
 
 def start_all_gather(

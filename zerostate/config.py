@@ -56,6 +56,7 @@ SETTING_ALIASES: dict[str, str] = {
     "reduce_bucket_size": "bucket_mb",
     "allgather_bucket_size": "bucket_mb",
     "process_group": "group",
+    "device_mesh": "mesh",
     "param_init_fn": "init_fn",
     "auto_wrap_policy": "unit_policy",
     "steps_per_print": "log_every",
@@ -102,6 +103,12 @@ class EngineConfig:
     """Micro-steps (backward calls) per optimizer step."""
     group: Any = None
     """torch.distributed process group of the data-parallel ranks; None is the default group."""
+    mesh: Any = None
+    """A ``torch.distributed.device_mesh.DeviceMesh`` over every rank, instead of ``group``:
+    ZeRO partitions over its ``"dp_shard"`` dimension; a ``("dp_replicate", "dp_shard")``
+    mesh is hybrid sharding (each replica a ZeRO group over ``dp_shard``, gradients summed
+    across replicas). A 1-D ``("dp_shard",)`` mesh is the same as no mesh. See
+    docs/api.md, "Device mesh"."""
     reduce_dtype: str | None = None
     """Dtype gradients are summed across ranks in: fp32, bf16 or fp16. None (default) is
     fp32 whatever ``precision`` is, as FSDP2's and DeepSpeed's fp32 reduction. Gradient
@@ -262,6 +269,15 @@ class EngineConfig:
             )
 
         _check_offload(self)
+        if self.mesh is not None:
+            from zerostate.runtime.mesh import check_mesh
+
+            check_mesh(self.mesh)
+            if self.group is not None:
+                raise ConfigError(
+                    "Engine got both mesh= and group=; the mesh names the data-parallel "
+                    "groups itself ('dp_shard', 'dp_replicate'): pass only mesh="
+                )
 
     @property
     def working_dtype(self) -> torch.dtype:

@@ -36,7 +36,10 @@ import torch
 from torch import nn
 
 from zerostate import adapt, collectives
-from zerostate.checkpoint import Checkpointer  # imported here, not on the first save or load
+from zerostate.checkpoint import (  # imported here, not on the first save or load
+    Checkpointer,
+    SaveHandle,
+)
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig, check_setting_names
@@ -53,9 +56,11 @@ from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
+from zerostate.runtime import mesh as meshes
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
+from zerostate.store.root import CheckpointRoot
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -88,6 +93,14 @@ def _validate_model(model: Any, config: EngineConfig) -> None:
         raise ConfigError(
             f"parameters live on several devices {sorted(map(str, devices))}; move the "
             "model to one device (each rank trains a full replica's worth of shards)"
+        )
+    distributed = [name for name, p in params if collectives.is_dtensor(p)]
+    if distributed:
+        raise ConfigError(
+            f"{len(distributed)} parameter(s) ({', '.join(distributed[:3])}) are DTensors, "
+            "sharded by tensor parallelism (parallelize_module); training DTensor "
+            "parameters is not supported yet: build the Engine on the model before "
+            "parallelize_module, with a ('dp_shard',) or ('dp_replicate', 'dp_shard') mesh"
         )
     for name, p in params:
         # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
@@ -215,8 +228,23 @@ class Engine:
                 self._resolved = self._check_optimizer(model, config, optimizer, kwargs)
             except ZerostateError as exc:
                 error = exc
+        mesh_given = (config.mesh if config is not None else kwargs.get("mesh")) is not None
         group = config.group if config is not None else kwargs.get("group")
+        #: The device mesh's groups (None without ``mesh=``): ZeRO runs over its dp_shard
+        #: group, which is ``group`` from here on ([Note: hybrid sharding]).
+        self._mesh: meshes.MeshPlan | None = None
+        if mesh_given:
+            group = None  # until the mesh is checked; a refused mesh fails on the world
+        if error is None and mesh_given:
+            try:
+                self._mesh = meshes.plan_mesh(config.mesh, self._pick_device(model, config))
+                group = self._mesh.shard_group
+            except ZerostateError as exc:
+                error = exc
         self.rank, self.world_size = collectives.group_info(group)
+        # A mesh spans the default group: every rank of it agrees (and fails) together.
+        agree_group = None if mesh_given else group
+        agree_size = collectives.group_info(None)[1] if mesh_given else self.world_size
         if error is None:
             try:
                 _check_not_wrapped(model)
@@ -225,10 +253,14 @@ class Engine:
                 error = exc
         device = self._pick_device(model, config)
         collectives.check_agreement(
-            {**_model_aspects(model, config), "optimizer": describe(optimizer)},
+            {
+                **_model_aspects(model, config),
+                "optimizer": describe(optimizer),
+                "mesh": self._mesh.describe() if self._mesh is not None else None,
+            },
             error,
-            group=group,
-            world_size=self.world_size,
+            group=agree_group,
+            world_size=agree_size,
             device=device,
         )
         self.config: EngineConfig = config
@@ -248,6 +280,7 @@ class Engine:
             reduce_dtype=config.reduce_torch_dtype,
             stats=self._stats,
             pool=self._pool,
+            replicas=self._mesh.replicas if self._mesh is not None else None,
         )
         self._scaler = LossScaler(
             enabled=config.precision == "fp16",
@@ -273,7 +306,11 @@ class Engine:
         if config.sync_module_states and not any(p.is_meta for _, p in named):
             with torch.no_grad():
                 states = [p.data for _, p in named] + [b for _, b in adapt.replicated_state(model)]
-                collectives.broadcast_from_first([t for t in states if t.numel()], group=group)
+                states = [t for t in states if t.numel()]
+                if self._mesh is not None:
+                    meshes.broadcast_from_first(states, self._mesh)
+                else:
+                    collectives.broadcast_from_first(states, group=group)
 
         self._runtime = GroupRuntime(
             self._ctx, self._params, stage=self.stage, bucket_numel=self._bucket_numel
@@ -445,7 +482,7 @@ class Engine:
             grads = [
                 g if g.dtype == torch.float32 else g.float() for g in self._runtime.step_grads()
             ]
-        divisor = self.world_size * self.config.grad_accum_steps * self._scaler.scale
+        divisor = self.data_parallel_size * self.config.grad_accum_steps * self._scaler.scale
         torch._foreach_mul_(grads, 1.0 / divisor)
         # One all-reduce gives the global squared norm and, per parameter, how many ranks
         # saw a gradient (a parameter no rank saw is not stepped, as torch skips it).
@@ -475,6 +512,8 @@ class Engine:
         self._runtime.zero()
         self._micro_step = 0
         self._stats.end_step()
+        if self._ctx.replicas is not None:
+            self._ctx.replicas.stats.end_step()
         self._progress.after_step(self)
         return not overflow
 
@@ -494,6 +533,12 @@ class Engine:
         if self._ctx.predivide != 1.0:
             torch._foreach_mul_(grads, self._ctx.predivide)
         return grads
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks training on different data: ``world_size`` (of ``dp_shard``) times the
+        replicas of a hybrid-sharded mesh."""
+        return self._ctx.num_data_parallel
 
     @property
     def loss_scale(self) -> float:
@@ -648,16 +693,34 @@ class Engine:
         engine loaded from (or saved to) it: it is another run's; ``allow_older_step=True``
         saves there anyway.
         """
-        return self._ckpt().save(
-            path,
-            step=step,
-            blocking=blocking,
-            client_state=client_state,
-            keep_last=keep_last,
-            storage_options=storage_options,
-            stateful=stateful,
-            allow_older_step=allow_older_step,
-        )
+
+        def save() -> Any:
+            return self._ckpt().save(
+                path,
+                step=step,
+                blocking=blocking,
+                client_state=client_state,
+                keep_last=keep_last,
+                storage_options=storage_options,
+                stateful=stateful,
+                allow_older_step=allow_older_step,
+            )
+
+        if self._mesh is None:
+            return save()
+        # [Note: one replica writes] (zerostate.runtime.mesh)
+        number = self.optimizer_steps if step is None else int(step)
+
+        def skipped() -> SaveHandle:
+            if blocking:
+                return SaveHandle(number, path, None, 0.0)  # replica 0's verdict follows
+            root = CheckpointRoot.open(path, storage_options)
+            watch = meshes.watch_commit(
+                lambda: root.is_committed(number), f"step {number}", self._ckpt().timeout_s
+            )
+            return SaveHandle(number, path, watch, 0.0)
+
+        return meshes.save_on_first_replica(self._mesh, save, skipped, self.device)
 
     def load(
         self,
@@ -852,10 +915,22 @@ class Engine:
             "host_optimizer_bytes": host_optim,
         }
 
-    def comm_stats(self) -> dict[str, dict[str, int]]:
+    def comm_stats(self, dim: str | None = None) -> dict[str, dict[str, int]]:
         """Communication of the last completed optimizer step, per collective kind and in
-        total, counted as in [Note: comm accounting] (zerostate.collectives)."""
-        return self._stats.report()
+        total, counted as in [Note: comm accounting] (zerostate.collectives).
+
+        With a hybrid-sharded mesh, ``dim="dp_shard"`` or ``dim="dp_replicate"`` gives one
+        mesh dimension's part; the default adds them up."""
+        reports = {"dp_shard": self._stats.report()}
+        if self._ctx.replicas is not None:
+            reports["dp_replicate"] = self._ctx.replicas.stats.report()
+        if dim is None:
+            return meshes.sum_reports(list(reports.values()))
+        if dim not in reports:
+            raise ConfigError(
+                f"comm_stats(dim={dim!r}): this engine communicates over {sorted(reports)}"
+            )
+        return reports[dim]
 
     def layouts(self) -> dict[str, TensorLayout]:
         return {sp.name: sp.layout for sp in self._params}

@@ -73,9 +73,9 @@ class ProgressLog:
             parts.append(f"loss {float(self._loss):.4g}")
         parts.append(f"step time {elapsed / max(self._steps, 1):.3f} s")
         if self._samples:
-            parts.append(f"{self._samples * engine.world_size / elapsed:.1f} samples/s")
+            parts.append(f"{self._samples * engine.data_parallel_size / elapsed:.1f} samples/s")
         if self._tokens:
-            parts.append(f"{self._tokens * engine.world_size / elapsed:.0f} tokens/s")
+            parts.append(f"{self._tokens * engine.data_parallel_size / elapsed:.0f} tokens/s")
         groups = engine.optimizer.param_groups
         if groups and "lr" in groups[0]:
             parts.append(f"lr {float(groups[0]['lr']):.3g}")

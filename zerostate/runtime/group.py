@@ -61,6 +61,7 @@ from zerostate.comm import (
     PendingOp,
     PooledBuffer,
     all_reduce_flat,
+    all_reduce_replicas,
     reduce_scatter_grads,
     reduce_scatter_in_place,
     start_all_gather,
@@ -329,7 +330,7 @@ class ParamGroup:
                     self.ctx, inflight, self.grad_layout, self.acc, on_complete=on_complete
                 )
             else:
-                all_reduce_flat(self.ctx, inflight, self.acc)
+                all_reduce_flat(self.ctx, inflight, self.acc, on_complete=on_complete)
             return
         grads = [None if p.param.grad is None else p.param.grad.reshape(-1) for p in self.trainable]
         for p in self.trainable:
@@ -365,6 +366,19 @@ class ParamGroup:
         if self.ctx.predivide != 1.0:  # fp16 sums are kept pre-divided (no fp16 overflow)
             return [v.float().mul_(self.ctx.predivide) for v in views]
         return views
+
+    def reduce_replicas(self) -> None:
+        """Sum this rank's reduced gradients of the accumulation window across the replicas
+        of a hybrid-sharded mesh ([Note: hybrid sharding] in zerostate.runtime.mesh): the
+        whole flat buffer at stage 0, the owned segment otherwise (pre-divided in fp16)."""
+        if not self.trainable:
+            return
+        if self.acc is not None and not self.policy.shard_optimizer:
+            all_reduce_replicas(self.ctx, self.acc, predivided=False)
+        elif self.acc is not None:
+            all_reduce_replicas(self.ctx, self.grad_layout.segment(self.acc), predivided=True)
+        else:
+            all_reduce_replicas(self.ctx, self._shard(), predivided=True)
 
     def reduced_grads(self) -> list[torch.Tensor]:
         """The owned range of every trainable parameter's summed gradient as the reduce left

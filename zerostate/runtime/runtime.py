@@ -441,10 +441,15 @@ class GroupRuntime:
             self._next += 1
 
     def _launch(self, group: ParamGroup) -> None:
-        hook = None
-        if self._boundary and self.on_reduced is not None:
-            hook = functools.partial(self.on_reduced, group)
-        group.launch(self._inflight, hook)
+        hooks: list[Callable[[], None]] = []
+        if self._boundary:
+            # Replicas first: offload copies the gradients that every replica agrees on
+            # ([Note: hybrid sharding] in zerostate.runtime.mesh).
+            if self.ctx.replicas is not None:
+                hooks.append(group.reduce_replicas)
+            if self.on_reduced is not None:
+                hooks.append(functools.partial(self.on_reduced, group))
+        group.launch(self._inflight, _chain(hooks))
 
     def finish_backward(self) -> None:
         """After backward: launch what is left (zeros for gradients that never came), wait
@@ -474,10 +479,16 @@ class GroupRuntime:
     def reduce_norm_and_flags(self, folded: torch.Tensor) -> None:
         """``folded`` is ``[this rank's sum of squared gradient elements, one flag per
         trainable parameter]``; sum both over the ranks, in place, in one all-reduce."""
+        replicas = self.ctx.replicas
         if not self.policy.shard_optimizer and self.ctx.rank != 0:
             # Replicated gradients are the full sum on every rank: count one copy.
             folded[:1].zero_()
+        if replicas is not None and replicas.rank != 0:
+            folded[:1].zero_()  # every replica holds the same shards: count one replica's
         collectives.all_reduce(folded, group=self.ctx.group, stats=self.ctx.stats)
+        if replicas is not None and replicas.size > 1:
+            # The flags sum over the whole mesh; so does the norm, from one replica.
+            collectives.all_reduce(folded, group=replicas.group, stats=replicas.stats)
 
     def refresh(self, params: list[ShardedParam] | None = None) -> None:
         """Working values from the masters: of the trainable parameters after a step
@@ -628,6 +639,17 @@ class GroupRuntime:
             "grads": sum(g.grad_bytes() for g in self.groups),
             "gathered_params": sum(g.gathered_bytes() for g in self.groups),
         }
+
+
+def _chain(hooks: list[Callable[[], None]]) -> Callable[[], None] | None:
+    if len(hooks) < 2:
+        return hooks[0] if hooks else None
+
+    def run() -> None:
+        for hook in hooks:
+            hook()
+
+    return run
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
