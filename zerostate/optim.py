@@ -272,8 +272,14 @@ class OptimizerLoad:
     scalars: dict[str, dict[str, Any]]
     #: Per engine group, the hyperparameters to apply; None keeps the group's own.
     hyper: tuple[dict | None, ...]
-    #: Groups that kept their own settings because no saved group matches them.
+    #: Groups that kept their own settings: their members were saved in several groups.
     mixed: tuple[str, ...]
+
+
+def _groups_listing(groups: list[list[str]]) -> str:
+    """Param groups by name, each cut to its first three members."""
+    shown = [m[:3] + ["..."] if len(m) > 3 else m for m in groups]
+    return ", ".join("[" + ", ".join(m) + "]" for m in shown)
 
 
 class ShardedOptimizer:
@@ -459,7 +465,15 @@ class ShardedOptimizer:
         self, meta: dict, *, strict: bool = True
     ) -> tuple[list[dict | None], list[str]]:
         """Per engine group, the saved hyperparameters it takes (None: it keeps its own),
-        and a description of each group kept because no saved group matches it."""
+        and a description of each group kept because its members were saved in several.
+
+        [Note: groups by membership]
+        A saved group's settings belong to its parameters, not to its position: with
+        ``strict=False`` each engine group takes the settings of the one saved group its
+        known members were in. A group of only new parameters keeps its own settings; one
+        whose members come from several saved groups has no single right answer, keeps
+        its own and is named in a warning on rank 0. ``strict=True`` refuses any other
+        grouping, naming both."""
         decoded = []
         for enc in meta["param_groups"]:
             hyper = jsonstate.decode(enc, "param group")
@@ -469,17 +483,27 @@ class ShardedOptimizer:
             for key in _KERNEL_KEYS:  # this engine's kernel choice, not the saved one's
                 hyper.pop(key, None)
             decoded.append(hyper)
+        theirs = meta["group_params"]
         mine = [[sp.name for sp in m] for m in self.group_members]
-        if meta["group_params"] != mine:
-            if strict:
-                raise CheckpointError(
-                    "the checkpoint's optimizer param groups hold other parameters than this "
-                    "engine's; build the optimizer with the same groups (same parameters, in "
-                    "the same order) as the run that saved it"
-                )
-            if len(decoded) != len(mine):
-                return [None] * len(mine), []  # strict=False: keep this engine's settings
-        return list(decoded), []
+        if theirs == mine:
+            return list(decoded), []
+        if strict:
+            raise CheckpointError(
+                "the checkpoint's optimizer param groups hold other parameters than this "
+                f"engine's (checkpoint: {_groups_listing(theirs)}; engine: "
+                f"{_groups_listing(mine)}); build the optimizer with the same groups (same "
+                "parameters, in the same order) as the run that saved it, or pass "
+                "strict=False to match groups by their parameters"
+            )
+        where = {n: i for i, members in enumerate(theirs) for n in members}
+        hyper: list[dict | None] = []
+        mixed = []
+        for i, members in enumerate(mine):
+            found = sorted({where[n] for n in members if n in where})
+            hyper.append(dict(decoded[found[0]]) if len(found) == 1 else None)
+            if len(found) > 1:
+                mixed.append(f"group {i} ({_groups_listing([members])}) from saved groups {found}")
+        return hyper, mixed
 
     def apply_load(self, plan: OptimizerLoad, step: int) -> Callable[[], None]:
         """Install a checked plan: state keys (fresh zeros where the reader will write;
