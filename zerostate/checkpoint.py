@@ -508,12 +508,14 @@ class Checkpointer:
                 # waiting for a commit that cannot come (see [Note: failing together]).
                 writer.abort(exc)
                 raise
+            # Only a committed step makes the root this run's own ([Note: save target]); a
+            # failed save leaves the root's newest step another run's.
+            self._own_roots.add(root.location)
             if self.rank == 0:
                 self._retain(root, step, keep_last)
 
         if self._state.executor is None:
             self._state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
-        self._own_roots.add(root.location)
         future = self._state.executor.submit(finish)
         handle = SaveHandle(step, path, future, time.perf_counter() - start)
         with self._lock:
