@@ -1,9 +1,16 @@
 """Async saves and what happens around them: a failed save does not make a root this
-run's own."""
+run's own, and ``load_pretrained`` fails on every rank at once when one rank's background
+save failed."""
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import Future
+from datetime import timedelta
+
 import torch
+import torch.distributed as dist
 from helpers_dist import run_distributed
 from torch import nn
 
@@ -72,3 +79,44 @@ def test_a_failed_async_save_does_not_make_the_root_this_runs(tmp_path) -> None:
         assert ("disk went away" if rank == 1 else "failed") in first, r
         assert second.startswith(ConfigError.__name__) and "step 100" in second, r
         assert r["steps"] == [100], r
+
+
+def _pretrained_after_one_ranks_save_failed(rank: int, world_size: int, root: str) -> dict:
+    from safetensors.torch import save_file
+
+    engine = _trained(2, rank)
+    weights = os.path.join(root, "model.safetensors")
+    full = engine.full_state_dict()
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in full.items()}, weights)
+    handle = engine.save(os.path.join(root, "ckpt"), blocking=False)
+    handle.wait()
+    dist.barrier()
+    if rank == 1:
+        # This rank's background save failed where the other's went through (its commit
+        # poll's read raising, say): the error waits for this rank's next collective call.
+        failed: Future = Future()
+        failed.set_exception(OSError("the commit poll's read failed"))
+        handle._future = failed
+    t0 = time.monotonic()
+    try:
+        engine.load_pretrained(weights)
+        outcome = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        outcome = f"{type(exc).__name__}: {exc}"
+    seconds = time.monotonic() - t0
+    # Each rank waits for the other's outcome a bounded time: a rank left inside
+    # load_pretrained's agreement fails the test here instead of hanging it.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/outcome-{rank}", "1")
+    store.wait([f"test/outcome-{1 - rank}"], timedelta(seconds=20))
+    return {"outcome": outcome, "seconds": seconds}
+
+
+def test_load_pretrained_fails_on_every_rank_after_one_ranks_save_failed(tmp_path) -> None:
+    results = run_distributed(
+        _pretrained_after_one_ranks_save_failed, 2, str(tmp_path), timeout=120
+    )
+    assert "commit poll's read failed" in results[1]["outcome"], results
+    assert "failed on rank(s) [1]" in results[0]["outcome"], results
+    assert all(r["seconds"] < 20 for r in results), results
