@@ -471,8 +471,7 @@ class Engine:
             coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0).reshape(())
             torch._foreach_mul_(grads, coef)
         if not overflow:
-            if self._checkpointer is not None:
-                self._checkpointer.before_update()  # an async save may still be reading
+            self._before_update()
             if self._host is not None:
                 with self._host.step_threads():
                     self._optimizer.step(grads, stepped)
@@ -485,6 +484,12 @@ class Engine:
         self._stats.end_step()
         self._progress.after_step(self)
         return not overflow
+
+    def _before_update(self) -> None:
+        """The fence every writer of masters or optimizer state passes first: an async
+        save may still be reading them ([Note: async save] in zerostate.checkpoint)."""
+        if self._checkpointer is not None:
+            self._checkpointer.before_update()
 
     def _on_reduced(self, group: Any) -> None:
         # Offload, on the accumulation boundary: this group's gradients leave for the host
@@ -846,7 +851,9 @@ class Engine:
         if isinstance(modules, nn.Module):
             modules = [modules]
         self._arrive("gathered")
-        return self._runtime.gathered(modules, rank0_only=rank0_only, writeback=writeback)
+        return self._runtime.gathered(
+            modules, rank0_only=rank0_only, writeback=writeback, before_write=self._before_update
+        )
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now, by kind.

@@ -1,6 +1,7 @@
 """Async saves and what happens around them: a failed save does not make a root this
-run's own, and ``load_pretrained`` fails on every rank at once when one rank's background
-save failed."""
+run's own, ``load_pretrained`` fails on every rank at once when one rank's background
+save failed, and ``gathered(writeback=True)`` waits for the save's snapshot as ``step()``
+does."""
 
 from __future__ import annotations
 
@@ -120,3 +121,41 @@ def test_load_pretrained_fails_on_every_rank_after_one_ranks_save_failed(tmp_pat
     assert "commit poll's read failed" in results[1]["outcome"], results
     assert "failed on rank(s) [1]" in results[0]["outcome"], results
     assert all(r["seconds"] < 20 for r in results), results
+
+
+def _writeback_during_async_save(rank: int, world_size: int, root: str) -> dict:
+    engine = _trained(3, rank)  # stage 3: the masters are not the module's own storage
+    before = engine.full_state_dict()
+    deferred = []
+
+    def slowed(copy):
+        deferred.append(copy is not None)
+        if copy is None:
+            return None
+
+        def later() -> None:
+            time.sleep(1.0)
+            copy()
+
+        return later
+
+    _with_copy(engine, slowed)
+    handle = engine.save(root, blocking=False)
+    with engine.gathered(writeback=True), torch.no_grad():
+        for p in engine.module.parameters():
+            p.add_(1.0)
+    handle.wait()
+    after = engine.full_state_dict()
+    st = open_checkpoint(root).step()
+    saved = {name: st.read(f"model/{name}") for name in before}
+    return {
+        "deferred": deferred == [True],
+        "edited": all(torch.equal(after[n], before[n] + 1.0) for n in before),
+        "saved_as_of_save": all(torch.equal(saved[n], before[n]) for n in before),
+    }
+
+
+def test_gathered_writeback_waits_for_the_async_snapshot(tmp_path) -> None:
+    for r in run_distributed(_writeback_during_async_save, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert r["deferred"] and r["edited"], r
+        assert r["saved_as_of_save"], r
