@@ -192,12 +192,22 @@ def _left_behind(st: Any, stateful: dict, world_size: int) -> list[str]:
     if isinstance(per_rank, list):
         saved |= {n for n in per_rank if isinstance(n, str)}
     left = [f"stateful[{name!r}]" for name in sorted(saved - set(stateful))]
-    if st.world_size != world_size:
+    if st.world_size != world_size and _saved_rng(st):
         left.append(
             f"RNG states of {st.world_size} ranks (restored only at the same world size; "
             f"this run has {world_size})"
         )
     return left
+
+
+def _saved_rng(st: Any) -> bool:
+    """Whether step ``st`` holds RNG states: every zerostate save keeps each rank's (in its
+    manifest, or as ``rng/`` tensors in format 1); a peer's step (DeepSpeed, DCP) is read
+    without them."""
+    state = st.attrs.get("engine")
+    if not (isinstance(state, dict) and state.get("source") in ("deepspeed", "dcp")):
+        return True
+    return any(name.startswith("rng/") for name in st.tensors)
 
 
 class Checkpointer:
