@@ -36,6 +36,7 @@ background thread (a fresh thread's current device is 0, which is not every loca
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -184,17 +185,6 @@ def _transformers_config(module: Any) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-#: Names an error lists before it only counts the rest.
-LISTED_NAMES = 10
-
-
-def _listing(names: list[str]) -> str:
-    """The first :data:`LISTED_NAMES` of ``names``, then how many more there are."""
-    shown = ", ".join(names[:LISTED_NAMES])
-    rest = len(names) - LISTED_NAMES
-    return f"{shown} and {rest} more" if rest > 0 else shown
-
-
 def _left_behind(st: Any, stateful: dict, world_size: int) -> list[str]:
     """What step ``st`` saved that a load with ``stateful`` at ``world_size`` does not restore."""
     shared, per_rank = st.attrs.get("stateful"), st.attrs.get("stateful_per_rank")
@@ -202,12 +192,22 @@ def _left_behind(st: Any, stateful: dict, world_size: int) -> list[str]:
     if isinstance(per_rank, list):
         saved |= {n for n in per_rank if isinstance(n, str)}
     left = [f"stateful[{name!r}]" for name in sorted(saved - set(stateful))]
-    if st.world_size != world_size:
+    if st.world_size != world_size and _saved_rng(st):
         left.append(
             f"RNG states of {st.world_size} ranks (restored only at the same world size; "
             f"this run has {world_size})"
         )
     return left
+
+
+def _saved_rng(st: Any) -> bool:
+    """Whether step ``st`` holds RNG states: every zerostate save keeps each rank's (in its
+    manifest, or as ``rng/`` tensors in format 1); a peer's step (DeepSpeed, DCP) is read
+    without them."""
+    state = st.attrs.get("engine")
+    if not (isinstance(state, dict) and state.get("source") in ("deepspeed", "dcp")):
+        return True
+    return any(name.startswith("rng/") for name in st.tensors)
 
 
 class Checkpointer:
@@ -518,12 +518,14 @@ class Checkpointer:
                 # waiting for a commit that cannot come (see [Note: failing together]).
                 writer.abort(exc)
                 raise
+            # Only a committed step makes the root this run's own ([Note: save target]); a
+            # failed save leaves the root's newest step another run's.
+            self._own_roots.add(root.location)
             if self.rank == 0:
                 self._retain(root, step, keep_last)
 
         if self._state.executor is None:
             self._state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zs-save")
-        self._own_roots.add(root.location)
         future = self._state.executor.submit(finish)
         handle = SaveHandle(step, path, future, time.perf_counter() - start)
         with self._lock:
@@ -619,11 +621,15 @@ class Checkpointer:
         self._check_open()
         stateful = _check_stateful(stateful, loading=True)
         self._arrive("load")
-        error, st, restore, left, read_whole = None, None, None, [], set()
+        error, st, restore, left, read_whole, undo, plan = None, None, None, [], set(), None, None
         try:
             self.wait()
             self.before_update()
-            st, read_whole = self._read_step(path, step, storage_options, strict)
+            st, document = _open_any_step(self.engine, path, step, storage_options)
+            # [Note: planned load]: every check runs before anything in the engine changes.
+            plan = self.engine.plan_load(
+                document, st.tensors, strict=strict, where=path, step=st.step
+            )
             restore = self._saved_rank_state(st, stateful, strict)
             left = _left_behind(st, stateful, self.world_size)
             if left and strict_state:
@@ -631,13 +637,19 @@ class Checkpointer:
                     f"step {st.step} in {path} holds state this load was not asked to "
                     f"restore: {'; '.join(left)} (strict_state=True)"
                 )
+            undo = self.engine.apply_load(plan)
+            read_whole = self._read_tensors(st)
         except Exception as exc:
             error = exc
         try:
             # Every rank must know before the collectives below whether all ranks read
             # their part ([Note: failing together]); a rank's read error fails every rank.
-            self._agree(error, f"loading {path}")
-            self.engine.load_engine_state(st.attrs.get("engine", {}))
+            try:
+                self._agree(error, f"loading {path}")
+            except BaseException:
+                if undo is not None:
+                    undo()
+                raise
             self.engine.refresh_from_masters(read_whole)
             rng, objects = restore
             self._restore_rng(st, rng)
@@ -651,6 +663,15 @@ class Checkpointer:
         if self.rank == 0:  # [Note: a peer's update settings]
             for warning in peer_settings.differences(st.attrs, self.engine.config, path):
                 log.warning("zerostate: %s", warning)
+            for group in plan.optimizer.mixed:
+                log.warning(
+                    "zerostate: load(strict=False) from %s step %d kept this engine's "
+                    "hyperparameters for %s: its parameters were saved in different groups "
+                    "([Note: groups by membership] in zerostate.optim)",
+                    path,
+                    st.step,
+                    group,
+                )
         if left and self.rank == 0:
             log.warning(
                 "zerostate: loaded step %d from %s but left saved state unrestored: %s. "
@@ -662,11 +683,10 @@ class Checkpointer:
             )
         return st.attrs.get("client_state")
 
-    def _read_step(
-        self, path: str, step: int | None, storage_options: dict | None, strict: bool
-    ) -> tuple[Any, set[str]]:
-        """Open the step, check it fits the model and read this rank's ranges: ``(the
-        step, the names of the working parameters read whole)``.
+    def _read_tensors(self, st: Any) -> set[str]:
+        """Read this rank's ranges of every view the step holds into the engine (whose
+        optimizer state already holds the planned keys); the names of the working
+        parameters read whole.
 
         [Note: whole replicas at load]
         At stages 1-2 the working parameters are replicated and the masters are the owned
@@ -682,40 +702,7 @@ class Checkpointer:
         object stores (every rank would fetch the whole model) are still gathered.
         ``Engine.whole_replicas`` names the same parameters on every rank, so every rank
         leaves the same ones out of the gather."""
-        st = _open_any_step(self.engine, path, step, storage_options)
-        try:
-            return st, self._read_into_engine(st, path, strict)
-        except BaseException:
-            st.close()  # the caller never sees it: its threads go back now, not at GC
-            raise
-
-    def _read_into_engine(self, st: Any, path: str, strict: bool) -> set[str]:
-        """:meth:`_read_step` once ``st`` is open: the names of the parameters read whole."""
-        self.engine.prepare_engine_state(st.attrs.get("engine", {}), strict=strict)
         views = self.engine.state_views()
-        missing = [v.name for v in views if v.name not in st.tensors]
-        if not strict:
-            from zerostate.adapt import report_skipped
-
-            report_skipped(path, st.step, [v.name for v in views], st.tensors)
-        if missing and strict:
-            raise CheckpointError(
-                f"step {st.step} in {path} lacks {len(missing)} tensor(s) the model needs: "
-                f"{_listing(missing)}. Is it a checkpoint of this model? (strict=False skips "
-                "them)"
-            )
-        mismatched = [
-            f"{view.name} (checkpoint {tuple(info.shape)}, model {tuple(view.shape)})"
-            for view in views
-            if (info := st.tensors.get(view.name)) is not None
-            and tuple(info.shape) != tuple(view.shape)
-        ]
-        if mismatched:
-            raise CheckpointError(
-                f"step {st.step} in {path}: {len(mismatched)} tensor(s) have another shape "
-                f"than the model's: {_listing(mismatched)}. Is it a checkpoint of this model "
-                "(same configuration)?"
-            )
         # One batched read: every piece of storage this rank needs is fetched once, adjacent
         # pieces together, and lands in the engine's own memory where it can.
         whole = self.engine.whole_replicas() if st.reads_locally else {}
@@ -805,23 +792,31 @@ class Checkpointer:
             torch.cuda.set_rng_state(rng["cuda"].to(torch.uint8))
 
 
-def _open_any_step(engine: Any, path: str, step: int | None, storage_options: dict | None) -> Any:
+def _open_any_step(
+    engine: Any, path: str, step: int | None, storage_options: dict | None
+) -> tuple[Any, dict]:
     """Open step ``step`` of the checkpoint at ``path`` in any readable format (zerostate,
-    DeepSpeed ZeRO, DCP); a peer's step is first fitted to ``engine`` (see
-    :func:`_fit_foreign_step`)."""
+    DeepSpeed ZeRO, DCP): ``(the step, its engine-state document)``; a peer's document is a
+    copy fitted to ``engine`` (see :func:`_fit_foreign_step`)."""
     st = open_source(path, storage_options=storage_options).step(step)
-    state = st.attrs.get("engine")
-    if isinstance(state, dict) and state.get("source") in ("deepspeed", "dcp"):
-        _fit_foreign_step(engine, st, state)
-    return st
+    try:
+        state = st.attrs.get("engine", {})
+        if isinstance(state, dict) and state.get("source") in ("deepspeed", "dcp"):
+            state = _fit_foreign_step(engine, st, copy.deepcopy(state))
+        return st, state
+    except BaseException:
+        st.close()  # the caller never sees it: its threads go back now, not at GC
+        raise
 
 
-def _fit_foreign_step(engine: Any, st: Any, state: dict) -> None:
-    """What a peer does not record, the loading engine supplies: its weight tying (DCP
-    stores tied aliases as separate tensors and says nothing of the tie; the aliases must
-    hold the same values), its optimizer classes (when the peer's config does not name
-    one), and its buffer names (DCP does not tell buffers from parameters: a buffer is
-    read from ``model/<name>``)."""
+def _fit_foreign_step(engine: Any, st: Any, state: dict) -> dict:
+    """``state`` (a peer step's engine-state document, the caller's copy) with what the
+    peer does not record supplied by the loading engine: its weight tying (DCP stores tied
+    aliases as separate tensors and says nothing of the tie; the aliases must hold the same
+    values), its optimizer classes (when the peer's config does not name one), and its
+    buffer names (DCP does not tell buffers from parameters: a buffer is read from
+    ``model/<name>``). Refuses what cannot fit before the engine changes ([Note: planned
+    load] in zerostate.engine_state)."""
     if state.get("tied") is None:
         for alias, canonical in engine.tied.items():
             if f"model/{alias}" in st.tensors and f"model/{canonical}" in st.tensors:
@@ -833,7 +828,7 @@ def _fit_foreign_step(engine: Any, st: Any, state: dict) -> None:
         state["tied"] = dict(engine.tied)
     optimizer = state.get("optimizer")
     if isinstance(optimizer, dict) and optimizer.get("classes") is None:
-        optimizer["classes"] = [type(opt).__name__ for opt in engine._optimizer.inner]
+        optimizer["classes"] = [cls.__name__ for cls in engine.optimizer_classes()]
     if isinstance(optimizer, dict):
         _regroup(engine, optimizer, st.url)
     for view in engine.state_views():
@@ -841,14 +836,16 @@ def _fit_foreign_step(engine: Any, st: Any, state: dict) -> None:
         if view.name.startswith("buffers/") and view.name not in st.tensors:
             if model_name in st.tensors and st.supports_aliases:
                 st.alias(view.name, model_name)
+    return state
 
 
 def _regroup(engine: Any, optimizer: dict, url: str) -> None:
-    """Give the peer's group hyperparameters to the engine's own param groups: each engine
-    group takes the settings of the peer group its parameters were in (the engine's
-    built-in AdamW splits decay / no-decay parameters, a peer may keep them in one group,
-    decaying all; the run continues as the peer ran it)."""
-    mine = [[sp.name for sp in members] for members in engine._optimizer.group_members]
+    """Give the peer's group hyperparameters to the engine's own param groups (in
+    ``optimizer``, the caller's copy): each engine group takes the settings of the peer
+    group its parameters were in (the engine's built-in AdamW splits decay / no-decay
+    parameters, a peer may keep them in one group, decaying all; the run continues as the
+    peer ran it)."""
+    mine = engine.group_names()
     theirs = optimizer.get("group_params")
     hyper = optimizer.get("param_groups")
     if theirs == mine or not isinstance(theirs, list) or not isinstance(hyper, list):

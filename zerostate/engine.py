@@ -24,12 +24,13 @@ One optimizer step (``K = grad_accum_steps``):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import warnings
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -43,9 +44,16 @@ from zerostate.checkpoint import (  # imported here, not on the first save or lo
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig, check_setting_names
-from zerostate.engine_state import ENGINE_STATE_VERSION, READABLE_ENGINE_STATES
-from zerostate.errors import ConfigError, ZerostateError
+from zerostate.engine_state import (
+    ENGINE_STATE_VERSION,
+    LoadPlan,
+    check_document,
+    check_tensors,
+    check_tying,
+)
+from zerostate.errors import ConfigError, CorruptCheckpointError, ZerostateError
 from zerostate.optim import (
+    OptimizerLoad,
     ShardedOptimizer,
     describe,
     link_user_optimizers,
@@ -500,8 +508,7 @@ class Engine:
             coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0).reshape(())
             torch._foreach_mul_(grads, coef)
         if not overflow:
-            if self._checkpointer is not None:
-                self._checkpointer.before_update()  # an async save may still be reading
+            self._before_update()
             if self._host is not None:
                 with self._host.step_threads():
                     self._optimizer.step(grads, stepped)
@@ -516,6 +523,12 @@ class Engine:
             self._ctx.replicas.stats.end_step()
         self._progress.after_step(self)
         return not overflow
+
+    def _before_update(self) -> None:
+        """The fence every writer of masters or optimizer state passes first: an async
+        save may still be reading them ([Note: async save] in zerostate.checkpoint)."""
+        if self._checkpointer is not None:
+            self._checkpointer.before_update()
 
     def _on_reduced(self, group: Any) -> None:
         # Offload, on the accumulation boundary: this group's gradients leave for the host
@@ -595,6 +608,14 @@ class Engine:
             "optimizer": self._optimizer.metadata(),
         }
 
+    def optimizer_classes(self) -> list[type]:
+        """The classes of the inner optimizers, in order (what a checkpoint records)."""
+        return [type(opt) for opt in self._optimizer.inner]
+
+    def group_names(self) -> list[list[str]]:
+        """The canonical parameter names of each optimizer param group, in order."""
+        return [[sp.name for sp in members] for members in self._optimizer.group_members]
+
     def _optimizer_meta(self, state: dict) -> dict:
         meta = state.get("optimizer")
         if meta is None and state.get("version") == 1:
@@ -607,38 +628,75 @@ class Engine:
             )
         return meta
 
-    def prepare_engine_state(self, state: dict, *, strict: bool = True) -> None:
-        """Before a checkpoint's tensors are read: give the optimizer exactly the state
-        tensors the checkpoint holds, so :meth:`state_views` lists them."""
-        self._check_engine_state(state)
-        self._optimizer.prepare_load(self._optimizer_meta(state), strict=strict)
+    def plan_load(
+        self,
+        state: dict,
+        stored: Mapping[str, Any] | None = None,
+        *,
+        strict: bool = True,
+        where: str = "the checkpoint",
+        step: int | None = None,
+    ) -> LoadPlan:
+        """Check an engine-state document (and, given ``stored``, the step's tensors: name
+        -> info with ``.shape``) against this engine and decode it; changes nothing (see
+        [Note: planned load] in zerostate.engine_state)."""
+        check_document(state)
+        check_tying(state, self.tied)
+        scaler = copy.copy(self._scaler)
+        try:
+            scaler.load_state_dict(state.get("loss_scaler", {"scale": 1.0, "good_steps": 0}))
+        except ConfigError as exc:
+            raise CorruptCheckpointError(str(exc)) from None
+        meta = self._optimizer_meta(state)
+        keys, scalars = self._optimizer.plan_state(meta, strict=strict)
+        if stored is not None:
+            # Before the groups: "the step lacks these tensors" says more about a checkpoint
+            # of another model than "other param groups" does.
+            step = state["step"] if step is None else step
+            needed = self._planned_tensors(keys)
+            check_tensors(needed, stored, strict=strict, where=where, step=step)
+        hyper, mixed = self._optimizer.plan_groups(meta, strict=strict)
+        optimizer = OptimizerLoad(keys, scalars, tuple(hyper), tuple(mixed))
+        return LoadPlan(state["step"], scaler.state_dict(), optimizer)
 
-    @staticmethod
-    def _check_engine_state(state: Any) -> None:
-        if not isinstance(state, dict):
-            raise ConfigError(f"engine state must be a dict, got {type(state).__name__}")
-        version = state.get("version")
-        if version not in READABLE_ENGINE_STATES:
-            raise ConfigError(
-                f"engine state version {version!r} is not one of {READABLE_ENGINE_STATES}; "
-                "it was written by an incompatible zerostate"
-            )
-        step = state.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ConfigError(f"engine state step={step!r} must be an integer >= 0")
+    def _planned_tensors(
+        self, planned_keys: Mapping[str, tuple[str, ...] | None]
+    ) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` of the views :meth:`state_views` lists once the optimizer holds
+        ``planned_keys`` (see :class:`~zerostate.optim.OptimizerLoad`), in the same order."""
+        needed: dict[str, tuple[int, ...]] = {}
+        for sp in self._params:
+            needed[f"model/{sp.name}"] = tuple(sp.shape)
+            if not sp.trainable:
+                continue
+            keys = planned_keys[sp.name]
+            if keys is None:
+                keys = [k for k, _ in self._optimizer.state_tensors(sp)]
+            for key in keys:
+                needed[f"optim/{key}/{sp.name}"] = tuple(sp.shape)
+        for name, buf in self._named_buffers():
+            needed[f"buffers/{name}"] = tuple(buf.shape)
+        return needed
 
-    def load_engine_state(self, state: dict) -> None:
-        self._check_engine_state(state)
-        step = state["step"]
-        tied = state.get("tied", {})
-        if tied != self.tied:
-            raise ConfigError(
-                f"the checkpoint ties {tied} but this model ties {self.tied}; load it into "
-                "a model with the same weight tying"
-            )
-        self._scaler.load_state_dict(state.get("loss_scaler", {"scale": 1.0, "good_steps": 0}))
-        self._optimizer.finish_load(self._optimizer_meta(state), step)
+    def apply_load(self, plan: LoadPlan) -> Callable[[], None]:
+        """Install a checked plan (before the tensors are read into :meth:`state_views`);
+        returns what puts the optimizer state, step count and loss scale back."""
+        scaler = self._scaler.state_dict()
+        micro = self._micro_step
+        undo_optimizer = self._optimizer.apply_load(plan.optimizer, plan.step)
+        self._scaler.load_state_dict(plan.loss_scaler)
         self._micro_step = 0
+
+        def undo() -> None:
+            undo_optimizer()
+            self._scaler.load_state_dict(scaler)
+            self._micro_step = micro
+
+        return undo
+
+    def load_engine_state(self, state: dict, *, strict: bool = True) -> None:
+        """Plan and apply ``state`` alone (the tensors are the caller's business)."""
+        self.apply_load(self.plan_load(state, strict=strict))
 
     def _settle_host_copies(self) -> None:
         # Offloaded masters may still be read by the last step's non-blocking host ->
@@ -856,7 +914,9 @@ class Engine:
         if isinstance(modules, nn.Module):
             modules = [modules]
         self._arrive("gathered")
-        return self._runtime.gathered(modules, rank0_only=rank0_only, writeback=writeback)
+        return self._runtime.gathered(
+            modules, rank0_only=rank0_only, writeback=writeback, before_write=self._before_update
+        )
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now, by kind.

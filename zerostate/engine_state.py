@@ -1,13 +1,116 @@
-"""The engine-state document's schema versions: what a save writes and what a load reads.
+"""The engine-state document a checkpoint carries (its schema versions: what a save writes
+and what a load reads), and the plan of a load. The engine, the checkpointer and the
+readers of peers' checkpoints (which build an engine state for a DeepSpeed or DCP step)
+all need the versions; they live here, apart from the engine, so the store's readers do
+not import the engine.
 
-The engine, the checkpointer and the readers of peers' checkpoints (which build an engine
-state for a DeepSpeed or DCP step) all need these numbers; they live here, apart from the
-engine, so the store's readers do not import the engine.
+[Note: planned load]
+A load is planned and checked completely before anything in the engine changes, so a
+refused load leaves the engine exactly as it was (weights, optimizer state, step counts,
+group hyperparameters, loss scale) and the "resume if there is a checkpoint"
+idiom (``try: engine.load(...) except CheckpointError: pass``) trains on as if no load
+had been tried. :meth:`Engine.plan_load` checks the document's version, the weight tying,
+the optimizer classes, group membership, the decoded optimizer state and loss scale, and
+the tensors the engine would need against those the step stores (missing, unexpected,
+shapes), and returns a :class:`LoadPlan`; a peer's step is fitted to the engine on a copy
+of its document first (``zerostate.checkpoint``). Only then :meth:`Engine.apply_load`
+installs the plan and the reader writes the tensors. A read that fails after that (a
+damaged row) puts the optimizer's state keys, scalars, groups and the step count back
+(the undo that ``apply_load`` returns), so ``step()`` still works; the tensors the read had
+already filled keep the checkpoint's values ([Note: a failed map] in
+zerostate.store.step_base).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zerostate.errors import CheckpointError, CorruptCheckpointError, FormatVersionError
+from zerostate.optim import OptimizerLoad
 
 #: Version of the engine-state document a save writes.
 ENGINE_STATE_VERSION = 2
 #: Engine states of version 1 (built-in AdamW only, no optimizer metadata) still load.
 READABLE_ENGINE_STATES = (1, 2)
+
+#: Names an error lists before it only counts the rest.
+LISTED_NAMES = 10
+
+
+def listing(names: list[str]) -> str:
+    """The first :data:`LISTED_NAMES` of ``names``, then how many more there are."""
+    shown = ", ".join(names[:LISTED_NAMES])
+    rest = len(names) - LISTED_NAMES
+    return f"{shown} and {rest} more" if rest > 0 else shown
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Everything a load changes in the engine, checked and decoded."""
+
+    step: int
+    loss_scaler: dict
+    optimizer: OptimizerLoad
+
+
+def check_document(state: Any) -> None:
+    """The document's version first, then its step count. Refusals are
+    :class:`CheckpointError` s, as every refused load's are, so ``except CheckpointError``
+    catches each."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"engine state must be a dict, got {type(state).__name__}")
+    version = state.get("version")
+    if version not in READABLE_ENGINE_STATES:
+        raise FormatVersionError(
+            f"engine state version {version!r} is not one of {READABLE_ENGINE_STATES}; "
+            "it was written by an incompatible zerostate"
+        )
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CorruptCheckpointError(f"engine state step={step!r} must be an integer >= 0")
+
+
+def check_tying(state: dict, tied: dict[str, str]) -> None:
+    saved = state.get("tied", {})
+    if saved != tied:
+        raise CheckpointError(
+            f"the checkpoint ties {saved} but this model ties {tied}; load it into "
+            "a model with the same weight tying"
+        )
+
+
+def check_tensors(
+    needed: Mapping[str, tuple[int, ...]],
+    stored: Mapping[str, Any],
+    *,
+    strict: bool,
+    where: str,
+    step: int,
+) -> None:
+    """The tensors a load would write (``needed``: name -> shape) against those the step
+    stores (name -> info with ``.shape``): missing ones refused under ``strict`` (logged
+    otherwise), another shape always refused."""
+    missing = [name for name in needed if name not in stored]
+    if not strict:
+        from zerostate.adapt import report_skipped
+
+        report_skipped(where, step, list(needed), stored)
+    if missing and strict:
+        raise CheckpointError(
+            f"step {step} in {where} lacks {len(missing)} tensor(s) the model needs: "
+            f"{listing(missing)}. Is it a checkpoint of this model? (strict=False skips "
+            "them)"
+        )
+    mismatched = [
+        f"{name} (checkpoint {tuple(info.shape)}, model {tuple(shape)})"
+        for name, shape in needed.items()
+        if (info := stored.get(name)) is not None and tuple(info.shape) != tuple(shape)
+    ]
+    if mismatched:
+        raise CheckpointError(
+            f"step {step} in {where}: {len(mismatched)} tensor(s) have another shape "
+            f"than the model's: {listing(mismatched)}. Is it a checkpoint of this model "
+            "(same configuration)?"
+        )

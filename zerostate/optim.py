@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -259,6 +260,28 @@ class CombinedOptimizer(Optimizer):
             opt.step()
 
 
+@dataclass(frozen=True, slots=True)
+class OptimizerLoad:
+    """A checked, decoded optimizer part of a load (:meth:`ShardedOptimizer.plan_state`,
+    :meth:`ShardedOptimizer.plan_groups`); :meth:`ShardedOptimizer.apply_load` installs it."""
+
+    #: Per trainable parameter, the state tensor keys it holds after the load (the reader
+    #: fills them); None: unknown to the checkpoint, its state stays as it is.
+    keys: dict[str, tuple[str, ...] | None]
+    #: Per parameter, its decoded scalar state (``step``, ...).
+    scalars: dict[str, dict[str, Any]]
+    #: Per engine group, the hyperparameters to apply; None keeps the group's own.
+    hyper: tuple[dict | None, ...]
+    #: Groups that kept their own settings: their members were saved in several groups.
+    mixed: tuple[str, ...]
+
+
+def _groups_listing(groups: list[list[str]]) -> str:
+    """Param groups by name, each cut to its first three members."""
+    shown = [m[:3] + ["..."] if len(m) > 3 else m for m in groups]
+    return ", ".join("[" + ", ".join(m) + "]" for m in shown)
+
+
 class ShardedOptimizer:
     """The optimizer state of one rank: inner torch optimizer(s) over the master shards.
 
@@ -279,7 +302,6 @@ class ShardedOptimizer:
         self.trainable = trainable
         self._by_name = {sp.name: sp for sp in trainable}
         self.step_count = 0
-        self._strict = True
         if resolved is None:
             # The engine's own AdamW: decay / no-decay groups from EngineConfig. foreach=True
             # keeps the numbers of earlier releases, which followed that implementation.
@@ -392,72 +414,136 @@ class ShardedOptimizer:
             "state": state,
         }
 
-    def prepare_load(self, meta: dict, *, strict: bool = True) -> None:
-        """Make the local state hold exactly the checkpoint's per-element state keys (zero
-        tensors for now; the checkpoint reader fills them), before the views are listed."""
+    def plan_state(
+        self, meta: dict, *, strict: bool = True
+    ) -> tuple[dict[str, tuple[str, ...] | None], dict[str, dict[str, Any]]]:
+        """Check a checkpoint's optimizer metadata (version, classes, state entries)
+        against this optimizer and decode it: the ``keys`` and ``scalars`` of an
+        :class:`OptimizerLoad`; nothing here changes (see [Note: planned load] in
+        zerostate.engine_state). :meth:`plan_groups` gives the rest."""
         self._check_meta(meta)
-        self._strict = strict
         saved = meta["state"]
-        known = {n for members in meta["group_params"] for n in members}
         for name in saved:
             if name not in self._by_name and strict:
                 raise CheckpointError(
                     f"the checkpoint has optimizer state for {name!r}, which is not a "
                     "trainable parameter of this model (strict=False skips it)"
                 )
+        known = {n for members in meta["group_params"] for n in members}
+        keys: dict[str, tuple[str, ...] | None] = {}
+        scalars: dict[str, dict[str, Any]] = {}
         for sp in self.trainable:
             entry = saved.get(sp.name)
-            opt = self._inner_of(sp)
             if entry is None:
-                if sp.name in known:
-                    opt.state.pop(sp.master, None)  # not stepped yet when it was saved
-                continue  # else unknown to the checkpoint: the reader reports it missing
-            keys = entry.get("tensors")
-            if not isinstance(keys, list) or not all(
-                isinstance(k, str) and _STATE_KEY.match(k) for k in keys
+                # Saved before it was stepped: no state. Unknown to the checkpoint: kept
+                # as it is (the tensor check reports its state missing under strict).
+                keys[sp.name] = () if sp.name in known else None
+                continue
+            if not isinstance(entry, dict):
+                raise CheckpointError(f"optimizer state of {sp.name} is malformed: {entry!r}")
+            names = entry.get("tensors")
+            if not isinstance(names, list) or not all(
+                isinstance(k, str) and _STATE_KEY.match(k) for k in names
             ):
-                raise CheckpointError(f"optimizer state keys of {sp.name} are malformed: {keys!r}")
-            state = {k: v for k, v in opt.state.get(sp.master, {}).items() if k in keys}
-            for key in keys:
-                if not (isinstance(state.get(key), torch.Tensor)
-                        and state[key].shape == sp.master.shape):  # fmt: skip
-                    state[key] = _zeros(sp.master)
-            opt.state[sp.master] = state
+                raise CheckpointError(f"optimizer state keys of {sp.name} are malformed: {names!r}")
+            keys[sp.name] = tuple(names)
+            scalars[sp.name] = self._decoded_scalars(sp.name, entry.get("scalars", {}))
+        return keys, scalars
 
-    def finish_load(self, meta: dict, step: int) -> None:
-        """Restore group hyperparameters and scalar state after the tensors were read."""
-        groups = self.optimizer.param_groups
-        names = [[sp.name for sp in m] for m in self.group_members]
-        if meta["group_params"] != names:
-            if self._strict:
-                raise CheckpointError(
-                    "the checkpoint's optimizer param groups hold other parameters than this "
-                    "engine's; build the optimizer with the same groups (same parameters, in "
-                    "the same order) as the run that saved it"
-                )
-            if len(meta["param_groups"]) != len(groups):
-                groups = []  # strict=False: keep this engine's group settings
-        for g, enc in zip(groups, meta["param_groups"], strict=False):
+    @staticmethod
+    def _decoded_scalars(name: str, encoded: Any) -> dict[str, Any]:
+        if not isinstance(encoded, dict):
+            raise CheckpointError(f"optimizer scalar state of {name} is malformed")
+        out = {}
+        for key, enc in encoded.items():
+            if not (isinstance(key, str) and _STATE_KEY.match(key)):
+                raise CheckpointError(f"optimizer state key {key!r} of {name} is malformed")
+            out[key] = jsonstate.decode(enc, f"optimizer state {key} of {name}")
+        return out
+
+    def plan_groups(
+        self, meta: dict, *, strict: bool = True
+    ) -> tuple[list[dict | None], list[str]]:
+        """Per engine group, the saved hyperparameters it takes (None: it keeps its own),
+        and a description of each group kept because its members were saved in several.
+
+        [Note: groups by membership]
+        A saved group's settings belong to its parameters, not to its position: with
+        ``strict=False`` each engine group takes the settings of the one saved group its
+        known members were in. A group of only new parameters keeps its own settings; one
+        whose members come from several saved groups has no single right answer, keeps
+        its own and is named in a warning on rank 0. ``strict=True`` refuses any other
+        grouping, naming both."""
+        decoded = []
+        for enc in meta["param_groups"]:
             hyper = jsonstate.decode(enc, "param group")
             if not isinstance(hyper, dict):
                 raise CheckpointError("a saved param group is not a dict")
             hyper.pop("params", None)
             for key in _KERNEL_KEYS:  # this engine's kernel choice, not the saved one's
                 hyper.pop(key, None)
-            g.update(hyper)
-        for name, entry in meta["state"].items():
-            sp = self._by_name.get(name)
-            if sp is None:
+            decoded.append(hyper)
+        theirs = meta["group_params"]
+        mine = [[sp.name for sp in m] for m in self.group_members]
+        if theirs == mine:
+            return list(decoded), []
+        if strict:
+            raise CheckpointError(
+                "the checkpoint's optimizer param groups hold other parameters than this "
+                f"engine's (checkpoint: {_groups_listing(theirs)}; engine: "
+                f"{_groups_listing(mine)}); build the optimizer with the same groups (same "
+                "parameters, in the same order) as the run that saved it, or pass "
+                "strict=False to match groups by their parameters"
+            )
+        where = {n: i for i, members in enumerate(theirs) for n in members}
+        hyper: list[dict | None] = []
+        mixed = []
+        for i, members in enumerate(mine):
+            found = sorted({where[n] for n in members if n in where})
+            hyper.append(dict(decoded[found[0]]) if len(found) == 1 else None)
+            if len(found) > 1:
+                mixed.append(f"group {i} ({_groups_listing([members])}) from saved groups {found}")
+        return hyper, mixed
+
+    def apply_load(self, plan: OptimizerLoad, step: int) -> Callable[[], None]:
+        """Install a checked plan: state keys (fresh zeros where the reader will write;
+        tensors of the right shape are reused), scalar state, group hyperparameters and
+        the step count. Returns what puts the previous state, groups and count back (a
+        read that fails after this leaves a state ``step()`` can use)."""
+        previous = [(opt, dict(opt.state)) for opt in self.inner]
+        groups = [dict(g) for g in self.optimizer.param_groups]
+        count = self.step_count
+        for sp in self.trainable:
+            keys = plan.keys[sp.name]
+            if keys is None:
                 continue
-            scalars = entry.get("scalars", {})
-            if not isinstance(scalars, dict):
-                raise CheckpointError(f"optimizer scalar state of {name} is malformed")
-            state = self._inner_of(sp).state[sp.master]
-            for key, enc in scalars.items():
-                if not (isinstance(key, str) and _STATE_KEY.match(key)):
-                    raise CheckpointError(f"optimizer state key {key!r} of {name} is malformed")
-                state[key] = jsonstate.decode(enc, f"optimizer state {key} of {name}")
+            opt = self._inner_of(sp)
+            old = opt.state.get(sp.master, {})
+            state = {}
+            for key in keys:
+                value = old.get(key)
+                ok = isinstance(value, torch.Tensor) and value.shape == sp.master.shape
+                state[key] = value if ok else _zeros(sp.master)
+            state.update(plan.scalars.get(sp.name, {}))
+            if state:
+                opt.state[sp.master] = state
+            else:
+                opt.state.pop(sp.master, None)
+        for g, hyper in zip(self.optimizer.param_groups, plan.hyper, strict=True):
+            if hyper is not None:
+                g.update(hyper)
         self.step_count = step
+
+        def undo() -> None:
+            for opt, state in previous:
+                opt.state.clear()
+                opt.state.update(state)
+            for g, saved in zip(self.optimizer.param_groups, groups, strict=True):
+                g.clear()
+                g.update(saved)
+            self.step_count = count
+
+        return undo
 
     def _inner_of(self, sp: ShardedParam) -> Optimizer:
         for opt in self.inner:

@@ -134,7 +134,14 @@ def load_pretrained(
     targets: list[_Target] = []
     report = PretrainedReport([], [], [])
     source: SafetensorsSource | None = None
+    checkpointer = getattr(engine, "_checkpointer", None)
     try:
+        if checkpointer is not None:
+            # Inside the agreement ([Note: failing together] in zerostate.checkpoint): a
+            # background save that failed on one rank fails every rank here, instead of
+            # leaving the others in the agreement below until a process-group timeout.
+            checkpointer.wait()
+            checkpointer.before_update()  # an async save may still be reading the masters
         source = SafetensorsSource(path_or_url, storage_options)
         targets, report = _plan(engine, source.entries())
         if strict and (report.missing or report.unexpected or report.mismatched):
@@ -143,13 +150,9 @@ def load_pretrained(
                 "Check that the file belongs to this architecture and config, or pass "
                 "strict=False to load what matches and get these lists back"
             )
-    except (ZerostateError, OSError, ValueError) as exc:
+    except Exception as exc:  # a previous background save's error can be of any kind
         error = exc
     _agree(engine, error, "reading the safetensors headers")
-    checkpointer = getattr(engine, "_checkpointer", None)
-    if checkpointer is not None:
-        checkpointer.wait()  # an async save may still be reading the masters
-        checkpointer.before_update()
     try:
         with torch.no_grad():
             for t in targets:

@@ -227,7 +227,6 @@ def _worker(rank: int, world_size: int, ckpt: str) -> dict:
     engine3 = zerostate.Engine(Partial(), stage=2, lr=0.05)
     legacy = {k: v for k, v in engine3.engine_state().items() if k != "optimizer"}
     legacy.update(version=1, step=7)
-    engine3.prepare_engine_state(legacy)
     engine3.load_engine_state(legacy)
     sp = engine3._trainable[0]
     out["legacy"] = (

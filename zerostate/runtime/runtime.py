@@ -576,8 +576,11 @@ class GroupRuntime:
         *,
         rank0_only: bool = False,
         writeback: bool = False,
+        before_write: Callable[[], None] | None = None,
     ) -> Iterator[None]:
-        """Full working parameters for code outside the training step; collective."""
+        """Full working parameters for code outside the training step; collective.
+        ``before_write`` runs before ``writeback`` changes the masters (the engine's fence
+        for an async save's snapshot)."""
         if rank0_only and writeback:
             raise StageUsageError(
                 "gathered(rank0_only=True, writeback=True): the other ranks would keep their "
@@ -609,6 +612,8 @@ class GroupRuntime:
         finally:
             self._gathered_depth -= 1
             if writeback:
+                if before_write is not None:
+                    before_write()
                 for group in groups:
                     if group.state is GroupState.GATHERED:
                         group.write_back()
