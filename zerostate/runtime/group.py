@@ -65,7 +65,6 @@ from zerostate.comm import (
     reduce_scatter_in_place,
     start_all_gather,
 )
-from zerostate.runtime.grad_stand_in import GradStandIn
 from zerostate.sharded import FlatLayout, ShardedParam
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -170,10 +169,6 @@ class ParamGroup:
         self.num_backward_calls = 0
         self.num_backward_done = 0
         self.needs_backward = False
-        # Between backward and step ([Note: gradient stand-ins]): one stand-in per
-        # trainable parameter, made once, and the .grad each one covers while it is lent.
-        self._stand_ins: list[GradStandIn] | None = None
-        self._covered: list[torch.Tensor | None] | None = None
 
     # -- working storage -------------------------------------------------------------
     def place(self, dtype: torch.dtype) -> None:
@@ -389,27 +384,6 @@ class ParamGroup:
             for p in self.trainable:
                 p.param.grad = None
 
-    # -- .grad between backward and step ([Note: gradient stand-ins]) ---------------
-    def cover_grads(self, reason: str) -> None:
-        """Put a stand-in in every trainable parameter's ``.grad``, keeping what was there."""
-        if self._covered is not None or not self.trainable:
-            return
-        if self._stand_ins is None:
-            self._stand_ins = [GradStandIn(sp.param, sp.name, reason) for sp in self.trainable]
-        self._covered = [sp.param.grad for sp in self.trainable]
-        for sp, stand_in in zip(self.trainable, self._stand_ins, strict=True):
-            sp.param.grad = stand_in
-
-    def uncover_grads(self) -> None:
-        """Put back the ``.grad`` each stand-in covered (a ``.grad`` the user replaced or
-        set to None meanwhile stays as the user left it)."""
-        if self._covered is None:
-            return
-        for sp, grad in zip(self.trainable, self._covered, strict=True):
-            if isinstance(sp.param.grad, GradStandIn):
-                sp.param.grad = grad
-        self._covered = None
-
     # -- accounting ------------------------------------------------------------------
     def param_bytes(self) -> int:
         if self.policy.shard_params:
@@ -418,9 +392,8 @@ class ParamGroup:
 
     def grad_bytes(self) -> int:
         held = _nbytes(self.acc) + _nbytes(self.grad_shard)
-        if not self._grad_views:  # a stand-in holds no bytes; what it covers may
-            grads = self._covered or [sp.param.grad for sp in self.trainable]
-            held += sum(_nbytes(g) for g in grads)
+        if not self._grad_views:
+            held += sum(_nbytes(sp.param.grad) for sp in self.trainable)
         return held
 
     def gathered_bytes(self) -> int:
