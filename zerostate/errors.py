@@ -55,3 +55,8 @@ class PretrainedMismatchError(ZerostateError, ValueError):
 
 class CollectiveTimeoutError(ZerostateError, TimeoutError):
     """Not every rank entered a collective call (save, load, ...) within the deadline."""
+
+
+class GradientAccessError(ZerostateError, RuntimeError):
+    """A parameter's ``.grad`` was used between ``engine.backward()`` and ``engine.step()``,
+    where it does not hold the step's gradient (``torch.nn.utils.clip_grad_norm_``, say)."""
