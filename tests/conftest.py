@@ -32,12 +32,28 @@ def pytest_configure(config) -> None:
     )
 
 
+# Files whose multi-rank tests were run on pooled workers and passed the isolation checks.
+# The others keep fresh processes until they are checked: some leave engines, threads or
+# patches behind (tests/engine/test_offload.py, test_gathered.py fail the checks today).
+POOLED_FILES = {
+    "tests/test_dist_pool.py",
+    "tests/store/test_whole_replicas.py",
+    "tests/store/test_root.py",
+    "tests/engine/test_lora.py",
+    "tests/engine/test_state_hooks.py",
+    "tests/engine/test_save_target.py",
+    "tests/engine/test_sync_init.py",
+    "tests/engine/test_conditional.py",
+}
+
+
 @pytest.fixture(autouse=True)
 def _pool_context(request):
     """Names the running test to the worker pools (leak and timeout errors name it) and
     says whether it may use them."""
     fresh = request.node.get_closest_marker("fresh_processes") is not None
-    with dist_pool.test_context(request.node.nodeid, pooled=not fresh):
+    checked = request.node.nodeid.split("::")[0] in POOLED_FILES
+    with dist_pool.test_context(request.node.nodeid, pooled=checked and not fresh):
         yield
 
 
