@@ -8,6 +8,11 @@ within ``timeout`` seconds is killed and raises ``TimeoutError``, so tests never
 
 ``fn`` must be importable (a module-level function); results must be picklable (tensors
 are fine: they are pickled by value, not shared).
+
+The ranks are pooled workers (tests/dist_pool.py, [Note: pool isolation]) kept alive across
+tests, unless the test is marked ``fresh_processes`` or passes ``pooled=False``: what
+only a fresh process shows (interpreter exit, process-group teardown, crashes, environment
+read at import, forking) needs its own processes.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import dist_pool
+from dist_pool import LeakError, WorkerError
+
+__all__ = ["LeakError", "WorkerError", "free_port", "run_distributed", "run_script"]
+
 DEFAULT_TIMEOUT_S = 240.0
-
-
-class WorkerError(RuntimeError):
-    """One or more ranks raised; the message holds each failing rank's traceback."""
 
 
 def free_port() -> int:
@@ -89,9 +95,24 @@ def _worker(
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    pooled: bool | None = None,
+    **kwargs: Any,
 ) -> list[Any]:
-    """``[fn(rank, world_size, *args, **kwargs) for rank in range(world_size)]`` on gloo."""
+    """``[fn(rank, world_size, *args, **kwargs) for rank in range(world_size)]`` on gloo.
+    ``pooled=None`` pools unless the running test is marked ``fresh_processes``."""
+    pg_timeout_s = max(30.0, timeout / 2)
+    if pooled or (pooled is None and dist_pool.pooling_allowed()):
+        return dist_pool.run_pooled(fn, world_size, args, kwargs, timeout, pg_timeout_s)
+    return _run_fresh(fn, world_size, args, kwargs, timeout, pg_timeout_s)
+
+
+def _run_fresh(
+    fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float, pg_timeout_s: float
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -107,7 +128,7 @@ def run_distributed(
                 kwargs,
                 results,
                 list(sys.path),
-                max(30.0, timeout / 2),
+                pg_timeout_s,
             ),
             daemon=True,
         )

@@ -3,6 +3,7 @@ completion hooks of pending reduces ([Note: completion hooks])."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from common import engine_steps, make_engine, make_model
@@ -10,6 +11,10 @@ from helpers_dist import run_distributed
 
 from zerostate.collectives import Handle
 from zerostate.comm import InFlight, PendingOp
+
+# Fresh processes per test, not pooled workers: its ranks wrap torch.distributed's collectives to
+# measure them and keep the wrappers.
+pytestmark = pytest.mark.fresh_processes
 
 _COLLECTIVES = (
     "all_reduce",

@@ -21,6 +21,10 @@ from helpers_dist import run_distributed
 import zerostate
 from zerostate.models.gpt2 import GPT2, GPT2Config
 
+# Fresh processes per test, not pooled workers: its ranks wrap torch.distributed's collectives to
+# count them and keep the wrappers.
+pytestmark = pytest.mark.fresh_processes
+
 # name -> (GPT2Config fields, tie the embedding)
 MODELS = {
     "0.08M": (dict(vocab_size=97, n_positions=16, n_embd=32, n_layer=6, n_head=4), True),

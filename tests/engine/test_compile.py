@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from helpers_dist import run_distributed
 from safetensors.torch import load_file
@@ -15,6 +16,10 @@ import zerostate
 from zerostate.errors import ConfigError
 from zerostate.store import open_checkpoint
 from zerostate.store.consolidate import consolidate
+
+# Fresh processes per test, not pooled workers: its ranks change torch._dynamo's config and fill
+# its caches.
+pytestmark = pytest.mark.fresh_processes
 
 STEPS = 3
 WIDTH = 16

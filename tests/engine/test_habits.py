@@ -17,6 +17,10 @@ from helpers_dist import WorkerError, run_distributed
 import zerostate
 from zerostate.errors import CheckpointError, CollectiveTimeoutError, ConfigError
 
+# Fresh processes per test, not pooled workers: its ranks add handlers to and set levels on
+# zerostate's loggers.
+pytestmark = pytest.mark.fresh_processes
+
 
 def _lambda(step: int) -> float:
     return (step + 1) / 4

@@ -14,6 +14,10 @@ import torch
 from helpers_dist import run_distributed
 from torch import nn
 
+# Fresh processes per test, not pooled workers: its ranks wrap SafetensorsSource.read_elements to
+# count bytes and keep the wrapper.
+pytestmark = pytest.mark.fresh_processes
+
 transformers = pytest.importorskip("transformers")
 
 WORLD_SIZE = 3

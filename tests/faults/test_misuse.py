@@ -13,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers_dist import run_distributed  # noqa: E402
 
+# Fresh processes per test, not pooled workers: its ranks misuse the engine on purpose and may
+# leave it mid-save.
+pytestmark = pytest.mark.fresh_processes
+
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)

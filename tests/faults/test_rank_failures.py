@@ -22,6 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers_dist import run_distributed  # noqa: E402
 
+# Fresh processes per test, not pooled workers: its ranks fail, fill disks and set the commit
+# timeout in the environment.
+pytestmark = pytest.mark.fresh_processes
+
 #: Every rank must have raised within this many seconds of the failure.
 BOUND_S = 30.0
 #: The commit timeout the ranks run with: far above BOUND_S, so meeting the bound cannot

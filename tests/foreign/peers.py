@@ -244,6 +244,10 @@ def generate(kind: str, out: Path, world_size: int, **kw) -> dict:
     from tests.helpers_dist import run_distributed
 
     kw = dict(kw)
+    # DeepSpeed changes process-wide state (environment, accelerator, torch functions at
+    # stage 3): its writers get fresh processes, never pooled workers.
+    if kind == "deepspeed":
+        kw["pooled"] = False
     if kind == "deepspeed" and kw.pop("bf16", False):
         ranks = run_distributed(write_deepspeed_bf16, world_size, str(out), **kw, timeout=600)
         # The loss of a step is the mean over the ranks' micro-batches.

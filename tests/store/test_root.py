@@ -124,6 +124,7 @@ def _counting_worker(rank: int, world_size: int, tmp: str) -> dict:
     path = os.path.realpath(os.path.join(tmp, "ckpt"))
     counts = {"storages": 0, "root_listings": 0}
     init, list_dir = local.LocalStorage.__init__, local.LocalStorage.list_dir
+    own = {name: vars(local.LocalStorage)[name] for name in ("__init__", "list_dir")}
 
     def counted_init(self, root, *a, **k):
         init(self, root, *a, **k)
@@ -137,6 +138,14 @@ def _counting_worker(rank: int, world_size: int, tmp: str) -> dict:
 
     local.LocalStorage.__init__ = counted_init
     local.LocalStorage.list_dir = counted_list
+    try:  # undone before returning: the ranks may be pooled workers that run other tests
+        return _count_saves(zerostate, path, counts)
+    finally:
+        for name, value in own.items():  # the class's own entries, not what lookup gives
+            setattr(local.LocalStorage, name, value)
+
+
+def _count_saves(zerostate, path: str, counts: dict) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2))
     model[0].weight.requires_grad_(False)  # frozen: the save plans references to it

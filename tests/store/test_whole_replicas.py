@@ -47,9 +47,19 @@ def _save(rank: int, world: int, root: str, stage: int, precision: str) -> dict:
 
 
 def _load(rank: int, world: int, root: str, stage: int, precision: str, locally: bool) -> dict:
+    # The patches are undone before returning: the ranks may be pooled workers that run
+    # other tests next.
+    reads_locally = reader_v2.StepReaderV2.__dict__["reads_locally"]
+    try:
+        if not locally:  # as on storage that is not this host's files
+            reader_v2.StepReaderV2.reads_locally = property(lambda self: False)
+        return _load_counting(rank, world, root, stage, precision)
+    finally:
+        reader_v2.StepReaderV2.reads_locally = reads_locally
+
+
+def _load_counting(rank: int, world: int, root: str, stage: int, precision: str) -> dict:
     torch.set_num_threads(1)
-    if not locally:  # as on storage that is not this host's files
-        reader_v2.StepReaderV2.reads_locally = property(lambda self: False)
     gathers: list[int] = []
     real = runtime_mod.all_gather_groups
 
@@ -60,8 +70,10 @@ def _load(rank: int, world: int, root: str, stage: int, precision: str, locally:
     engine = _engine(stage, precision)
     whole = sorted(engine.whole_replicas())
     runtime_mod.all_gather_groups = counting
-    engine.load(root)
-    runtime_mod.all_gather_groups = real
+    try:
+        engine.load(root)
+    finally:
+        runtime_mod.all_gather_groups = real
     loaded = {k: v.clone() for k, v in engine.full_state_dict().items()}
     losses = _train(engine, range(3, 5), rank, world)
     after = {k: v.clone() for k, v in engine.full_state_dict().items()}

@@ -1,0 +1,196 @@
+"""The pooled gloo workers of tests/dist_pool.py ([Note: pool isolation]): reused across
+calls, every call starts clean, and a call that leaves an engine, a hook, a thread or a
+monkeypatch behind fails loudly, naming the leak and the test, on workers that are then
+replaced. A crashed, failing or hung worker fails its call within its bound and the next
+call gets fresh workers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from helpers_dist import LeakError, WorkerError, run_distributed
+
+_kept: list = []  # what a leaking call leaves reachable in its worker
+
+
+def _pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+def _sum_ranks(rank: int, world: int) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _keep_engine(rank: int, world: int) -> int:
+    import zerostate
+
+    _kept.append(zerostate.Engine(torch.nn.Linear(4, 3), stage=2, lr=0.1))
+    return os.getpid()
+
+
+def _close_engine(rank: int, world: int) -> int:
+    import zerostate
+
+    with zerostate.Engine(torch.nn.Linear(4, 3), stage=2, lr=0.1) as engine:
+        engine.backward(engine(torch.ones(2, 4)).square().mean())
+        engine.step()
+    return os.getpid()
+
+
+def _keep_hook(rank: int, world: int) -> None:
+    torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+
+
+def _keep_thread(rank: int, world: int) -> None:
+    stop = threading.Event()
+    _kept.append(stop)
+    threading.Thread(target=stop.wait, name="left-behind", daemon=True).start()
+
+
+def _patch_zerostate(rank: int, world: int) -> None:
+    from zerostate.store import reader_v2
+
+    reader_v2.StepReaderV2.reads_locally = property(lambda self: False)
+
+
+def _change_settings(rank: int, world: int) -> None:
+    torch.manual_seed(1234)
+    torch.set_num_threads(2)
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    os.environ["ZEROSTATE_POOL_PROBE"] = "set"
+    os.chdir("/")
+
+
+def _settings(rank: int, world: int) -> dict:
+    return {
+        "rand": torch.rand(3),
+        "threads": torch.get_num_threads(),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "probe": os.environ.get("ZEROSTATE_POOL_PROBE"),
+        "cwd": os.getcwd(),
+    }
+
+
+def _fail_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+
+
+def _crash_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    import torch.distributed as dist
+
+    dist.barrier()  # blocked: its peer is gone
+
+
+def _hang(rank: int, world: int) -> None:
+    time.sleep(600)
+
+
+def test_workers_are_reused_and_their_group_works() -> None:
+    first = run_distributed(_pid, 2)
+    assert run_distributed(_pid, 2) == first
+    assert len(set(first)) == 2 and os.getpid() not in first
+    assert run_distributed(_sum_ranks, 2) == [3.0, 3.0]
+
+
+def test_a_closed_engine_is_clean() -> None:
+    before = run_distributed(_pid, 2)
+    assert run_distributed(_close_engine, 2) == before
+    assert run_distributed(_pid, 2) == before
+
+
+@pytest.mark.parametrize(
+    ("leak", "named"),
+    [
+        (_keep_engine, "zerostate Engine object(s) still alive"),
+        (_keep_hook, "torch.nn.modules.module._global_forward_hooks"),
+        (_keep_thread, "threads left running: left-behind"),
+        (_patch_zerostate, "zerostate.store.reader_v2.StepReaderV2.reads_locally"),
+    ],
+    ids=["engine", "hook", "thread", "monkeypatch"],
+)
+def test_a_leak_fails_loudly_naming_it_and_the_workers_are_replaced(
+    request: pytest.FixtureRequest, leak, named: str
+) -> None:
+    before = run_distributed(_pid, 2)
+    with pytest.raises(LeakError) as info:
+        run_distributed(leak, 2)
+    message = str(info.value)
+    assert named in message, message
+    assert request.node.nodeid in message, message  # the test that leaked
+    assert "rank 0" in message and "rank 1" in message, message
+    after = run_distributed(_pid, 2)
+    assert set(after).isdisjoint(before)  # fresh workers, not the dirty ones
+    assert run_distributed(_sum_ranks, 2) == [3.0, 3.0]
+    assert run_distributed(_pid, 2) == after  # and those are clean: kept
+
+
+def test_settings_a_call_changes_are_put_back() -> None:
+    fresh = run_distributed(_settings, 2, pooled=False)
+    before = run_distributed(_pid, 2)
+    clean = run_distributed(_settings, 2)
+    run_distributed(_change_settings, 2)
+    pooled = run_distributed(_settings, 2)
+    assert run_distributed(_pid, 2) == before  # the same workers
+    seeded = torch.Generator().manual_seed(1234)
+    for rank in range(2):
+        # A fresh process draws an unseeded state; a pooled call starts from its worker's.
+        assert torch.equal(pooled[rank]["rand"], clean[rank]["rand"])
+        assert not torch.equal(pooled[rank].pop("rand"), torch.rand(3, generator=seeded))
+        fresh[rank].pop("rand")
+        assert pooled[rank] == fresh[rank]
+    assert not torch.equal(clean[0]["rand"], clean[1]["rand"])  # ranks differ, as fresh
+    assert fresh[0]["threads"] == 1 and fresh[0]["probe"] is None
+
+
+def test_a_failing_rank_fails_the_call_and_the_pool_recovers() -> None:
+    before = run_distributed(_pid, 2)
+    with pytest.raises(WorkerError, match="rank 1 fails on purpose") as info:
+        run_distributed(_fail_on_rank_1, 2)
+    assert not isinstance(info.value, LeakError)
+    after = run_distributed(_pid, 2)
+    assert set(after).isdisjoint(before)
+    assert run_distributed(_sum_ranks, 2) == [3.0, 3.0]
+
+
+def test_a_crashed_rank_fails_the_call_within_its_bound_and_the_pool_recovers() -> None:
+    # One time bound throughout: pools are kept per (world size, group timeout).
+    before = run_distributed(_pid, 2, timeout=60)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"exited without a result: \{1: 3\}"):
+        run_distributed(_crash_rank_1, 2, timeout=60)
+    assert time.monotonic() - start < 60
+    after = run_distributed(_pid, 2, timeout=60)
+    assert set(after).isdisjoint(before)
+    assert run_distributed(_sum_ranks, 2, timeout=60) == [3.0, 3.0]
+
+
+def test_a_hung_call_times_out_naming_the_test_and_the_pool_recovers(
+    request: pytest.FixtureRequest,
+) -> None:
+    before = run_distributed(_pid, 2, timeout=30)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        run_distributed(_hang, 2, timeout=30)
+    assert time.monotonic() - start < 60  # its bound, and a little for killing the pool
+    assert request.node.nodeid in str(info.value) and "_hang" in str(info.value)
+    after = run_distributed(_pid, 2, timeout=30)
+    assert set(after).isdisjoint(before)
+    assert run_distributed(_sum_ranks, 2, timeout=30) == [3.0, 3.0]
+
+
+@pytest.mark.fresh_processes
+def test_the_fresh_processes_marker_gives_new_processes() -> None:
+    assert set(run_distributed(_pid, 2)).isdisjoint(run_distributed(_pid, 2))
