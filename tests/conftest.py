@@ -44,6 +44,7 @@ POOLED_FILES = {
     "tests/engine/test_save_target.py",
     "tests/engine/test_sync_init.py",
     "tests/engine/test_conditional.py",
+    "tests/engine/test_load_groups.py",
 }
 
 

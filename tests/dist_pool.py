@@ -153,16 +153,36 @@ def _hook_counts() -> dict[str, int]:
     return {name: len(getattr(module, name, {})) for name in _HOOK_DICTS}
 
 
-def _loggers() -> dict[str, tuple[int, int]]:
-    """``{logger: (handlers, level)}`` for the root logger and zerostate's."""
+def _loggers() -> dict[str, tuple[tuple[str, ...], int]]:
+    """``{logger: (handlers, level)}`` for the root logger and zerostate's; a handler by
+    its type and identity, so one removed and another added is a change too. A logger
+    first created during a call (``getLogger``) starts with none and ``NOTSET``."""
     import logging
 
+    def handlers(logger: logging.Logger) -> tuple[str, ...]:
+        return tuple(f"{type(h).__name__}@{id(h):x}" for h in logger.handlers)
+
     names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith("zerostate")]
-    out = {"<root>": (len(logging.root.handlers), logging.root.level)}
+    out = {"<root>": (handlers(logging.root), logging.root.level)}
     for name in names:
         logger = logging.getLogger(name)
-        out[name] = (len(logger.handlers), logger.level)
+        out[name] = (handlers(logger), logger.level)
     return out
+
+
+def _logger_change(name: str, before: tuple, after: tuple) -> str:
+    import logging
+
+    (h0, l0), (h1, l1) = before, after
+    parts = []
+    if h1 != h0:
+        added = [h for h in h1 if h not in h0]
+        removed = [h for h in h0 if h not in h1]
+        parts += [f"handler {h} added" for h in added]
+        parts += [f"handler {h} removed" for h in removed]
+    if l1 != l0:
+        parts.append(f"level {logging.getLevelName(l0)} -> {logging.getLevelName(l1)}")
+    return f"{name} ({', '.join(parts)})"
 
 
 def _live_engines() -> int:
@@ -273,9 +293,13 @@ class _Baseline:
         if not full:
             return found
         loggers = _loggers()
-        changed = [n for n, v in loggers.items() if v != self.loggers.get(n, (0, 0))]
+        changed = [
+            _logger_change(n, self.loggers.get(n, ((), 0)), v)
+            for n, v in sorted(loggers.items())
+            if v != self.loggers.get(n, ((), 0))
+        ]
         if changed:
-            found.append("logger handlers or levels left changed: " + ", ".join(sorted(changed)))
+            found.append("logger handlers or levels left changed: " + "; ".join(changed))
         now = _bindings()
         rebound = sorted(k for k, v in self.bindings.items() if now.get(k, v) != v)
         gone = sorted(k for k in self.bindings if k not in now)
