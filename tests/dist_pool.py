@@ -19,7 +19,8 @@ leak fails the test that left it, names the leak, and replaces the pool's worker
 - the default process group gone, replaced or out of step (a barrier must pass); groups
   the test created are destroyed, as a fresh process would not have them,
 - a module attribute of zerostate, or of the torch modules peers patch, rebound (a
-  monkeypatch that was not undone).
+  monkeypatch that was not undone); zerostate's log-once flags are put back first, and
+  torch's profiling wrapper of an optimizer class's ``step`` is not a rebinding.
 The same check runs before each call too, so state that appears between calls (a
 thread started late) fails the next call, naming the call before it. A worker that
 fails, crashes or overruns its time bound is killed with the rest of its pool; the next
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -138,13 +140,24 @@ def _bindings_now() -> dict[str, int]:
             if isinstance(value, type) and value.__module__ == modname:
                 for cattr, cvalue in list(vars(value).items()):
                     if not cattr.startswith("__"):
-                        out[f"{modname}.{attr}.{cattr}"] = id(cvalue)
+                        out[f"{modname}.{attr}.{cattr}"] = _ident(cvalue)
     for dotted in _WATCHED_CLASSES:
         modname, _, clsname = dotted.rpartition(".")
         cls = getattr(sys.modules[modname], clsname)
         for cattr, cvalue in list(vars(cls).items()):
-            out[f"{dotted}.{cattr}"] = id(cvalue)
+            out[f"{dotted}.{cattr}"] = _ident(cvalue)
     return out
+
+
+def _ident(value: Any) -> int:
+    """``id(value)``, except that torch's own profiling wrapper of an optimizer class's
+    ``step`` counts as the function it wraps: ``torch.optim.Optimizer.__init__`` installs
+    it on the class the first time that class is instantiated, in a fresh process too."""
+    if isinstance(value, types.FunctionType) and value.__dict__.get("hooked") is True:
+        wrapped = value.__dict__.get("__wrapped__")
+        if wrapped is not None:
+            return id(wrapped)
+    return id(value)
 
 
 def _hook_counts() -> dict[str, int]:
@@ -153,16 +166,36 @@ def _hook_counts() -> dict[str, int]:
     return {name: len(getattr(module, name, {})) for name in _HOOK_DICTS}
 
 
-def _loggers() -> dict[str, tuple[int, int]]:
-    """``{logger: (handlers, level)}`` for the root logger and zerostate's."""
+def _loggers() -> dict[str, tuple[tuple[str, ...], int]]:
+    """``{logger: (handlers, level)}`` for the root logger and zerostate's; a handler by
+    its type and identity, so one removed and another added is a change too. A logger
+    first created during a call (``getLogger``) starts with none and ``NOTSET``."""
     import logging
 
+    def handlers(logger: logging.Logger) -> tuple[str, ...]:
+        return tuple(f"{type(h).__name__}@{id(h):x}" for h in logger.handlers)
+
     names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith("zerostate")]
-    out = {"<root>": (len(logging.root.handlers), logging.root.level)}
+    out = {"<root>": (handlers(logging.root), logging.root.level)}
     for name in names:
         logger = logging.getLogger(name)
-        out[name] = (len(logger.handlers), logger.level)
+        out[name] = (handlers(logger), logger.level)
     return out
+
+
+def _logger_change(name: str, before: tuple, after: tuple) -> str:
+    import logging
+
+    (h0, l0), (h1, l1) = before, after
+    parts = []
+    if h1 != h0:
+        added = [h for h in h1 if h not in h0]
+        removed = [h for h in h0 if h not in h1]
+        parts += [f"handler {h} added" for h in added]
+        parts += [f"handler {h} removed" for h in removed]
+    if l1 != l0:
+        parts.append(f"level {logging.getLevelName(l0)} -> {logging.getLevelName(l1)}")
+    return f"{name} ({', '.join(parts)})"
 
 
 def _live_engines() -> int:
@@ -175,8 +208,17 @@ def _live_engines() -> int:
         return sum(1 for obj in gc.get_objects() if isinstance(obj, engine_cls))
 
 
+#: zerostate's log-once flags: ``(module, attribute, what a fresh process starts with)``.
+_ONCE_FLAGS = (("zerostate.runtime.offload", "_warned_unpinned", False),)
+
+
 def _drop_caches() -> None:
-    """Process-wide caches that a fresh process starts without (not leaks)."""
+    """Process-wide caches that a fresh process starts without (not leaks), and the
+    log-once flags, so the next call logs what a fresh process would."""
+    for modname, attr, fresh in _ONCE_FLAGS:
+        module = sys.modules.get(modname)
+        if module is not None and hasattr(module, attr):
+            setattr(module, attr, fresh)
     step_base = sys.modules.get("zerostate.store.step_base")
     if step_base is not None:
         with step_base._idle_lock:
@@ -273,9 +315,13 @@ class _Baseline:
         if not full:
             return found
         loggers = _loggers()
-        changed = [n for n, v in loggers.items() if v != self.loggers.get(n, (0, 0))]
+        changed = [
+            _logger_change(n, self.loggers.get(n, ((), 0)), v)
+            for n, v in sorted(loggers.items())
+            if v != self.loggers.get(n, ((), 0))
+        ]
         if changed:
-            found.append("logger handlers or levels left changed: " + ", ".join(sorted(changed)))
+            found.append("logger handlers or levels left changed: " + "; ".join(changed))
         now = _bindings()
         rebound = sorted(k for k, v in self.bindings.items() if now.get(k, v) != v)
         gone = sorted(k for k in self.bindings if k not in now)

@@ -37,11 +37,19 @@ def _keep_engine(rank: int, world: int) -> int:
 
 
 def _close_engine(rank: int, world: int) -> int:
+    """A closed engine, and a handler on zerostate's logger removed in ``finally``: clean."""
+    import logging
+
     import zerostate
 
-    with zerostate.Engine(torch.nn.Linear(4, 3), stage=2, lr=0.1) as engine:
-        engine.backward(engine(torch.ones(2, 4)).square().mean())
-        engine.step()
+    handler = logging.NullHandler()
+    logging.getLogger("zerostate").addHandler(handler)
+    try:
+        with zerostate.Engine(torch.nn.Linear(4, 3), stage=2, lr=0.1) as engine:
+            engine.backward(engine(torch.ones(2, 4)).square().mean())
+            engine.step()
+    finally:
+        logging.getLogger("zerostate").removeHandler(handler)
     return os.getpid()
 
 

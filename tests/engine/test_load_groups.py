@@ -48,32 +48,35 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
     records = _Records()
     logging.getLogger("zerostate").addHandler(records)
-    out = {}
-    # Layer groups in the other order: each takes its own layer's saved settings.
-    model = _net()
-    swapped = torch.optim.AdamW(
-        [
-            {"params": list(model[1].parameters()), "lr": 0.05, "weight_decay": 0.1},
-            {"params": list(model[0].parameters()), "lr": 0.05, "weight_decay": 0.1},
-        ]
-    )
-    engine = zerostate.Engine(model, stage=2, optimizer=swapped)
-    engine.load(ckpt, strict=False)
-    out["swapped"] = _hyper(engine)
-    # Weights / biases: each group's members were saved in both layer groups, so no saved
-    # group is theirs; they keep their own settings, and rank 0 says so.
-    model = _net()
-    split = torch.optim.AdamW(
-        [
-            {"params": [model[0].weight, model[1].weight], "lr": 0.05, "weight_decay": 0.1},
-            {"params": [model[0].bias, model[1].bias], "lr": 0.05, "weight_decay": 0.0},
-        ]
-    )
-    engine = zerostate.Engine(model, stage=2, optimizer=split)
-    del records.messages[:]
-    engine.load(ckpt, strict=False)
-    out["split"] = _hyper(engine)
-    out["warnings"] = [m for m in records.messages if "kept this engine's hyperparameters" in m]
+    try:
+        out = {}
+        # Layer groups in the other order: each takes its own layer's saved settings.
+        model = _net()
+        swapped = torch.optim.AdamW(
+            [
+                {"params": list(model[1].parameters()), "lr": 0.05, "weight_decay": 0.1},
+                {"params": list(model[0].parameters()), "lr": 0.05, "weight_decay": 0.1},
+            ]
+        )
+        engine = zerostate.Engine(model, stage=2, optimizer=swapped)
+        engine.load(ckpt, strict=False)
+        out["swapped"] = _hyper(engine)
+        # Weights / biases: each group's members were saved in both layer groups, so no saved
+        # group is theirs; they keep their own settings, and rank 0 says so.
+        model = _net()
+        split = torch.optim.AdamW(
+            [
+                {"params": [model[0].weight, model[1].weight], "lr": 0.05, "weight_decay": 0.1},
+                {"params": [model[0].bias, model[1].bias], "lr": 0.05, "weight_decay": 0.0},
+            ]
+        )
+        engine = zerostate.Engine(model, stage=2, optimizer=split)
+        del records.messages[:]
+        engine.load(ckpt, strict=False)
+        out["split"] = _hyper(engine)
+        out["warnings"] = [m for m in records.messages if "kept this engine's hyperparameters" in m]
+    finally:
+        logging.getLogger("zerostate").removeHandler(records)
     return out
 
 

@@ -226,15 +226,18 @@ def _copy_timing_worker(rank: int, world_size: int) -> dict:
 
     HostTier.copy_group = recording
     out = {}
-    for stage in (1, 2, 3):
-        engine = make_engine(
-            make_model(n_layer=4), stage=stage, offload="optimizer", bucket_mb=0.01,
-            grad_accum_steps=2,
-        )  # fmt: skip
-        calls.clear()
-        engine_steps(engine, rank, world_size, 2, accum=2)
-        groups = len(engine._runtime.reduced_groups())
-        out[stage] = (list(calls), groups)
+    try:
+        for stage in (1, 2, 3):
+            engine = make_engine(
+                make_model(n_layer=4), stage=stage, offload="optimizer", bucket_mb=0.01,
+                grad_accum_steps=2,
+            )  # fmt: skip
+            calls.clear()
+            engine_steps(engine, rank, world_size, 2, accum=2)
+            groups = len(engine._runtime.reduced_groups())
+            out[stage] = (list(calls), groups)
+    finally:
+        HostTier.copy_group = original
     return out
 
 
