@@ -59,6 +59,7 @@ from zerostate.optim import (
     link_user_optimizers,
     resolve_user_optimizers,
     sum_of_squares,
+    whole_matrix_names,
 )
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
@@ -251,6 +252,8 @@ class Engine:
             try:
                 _check_not_wrapped(model)
                 _validate_model(model, config, self._mesh.tp if self._mesh else None)
+                if self._mesh is not None:
+                    tp.check_optimizer(whole_matrix_names(optimizer), self._mesh.tp)
             except ZerostateError as exc:
                 error = exc
         device = self._pick_device(model, config)

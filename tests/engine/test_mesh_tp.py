@@ -205,6 +205,10 @@ def _errors_worker(rank: int, world_size: int) -> dict:
     conv.weight = torch.nn.Parameter(distribute_tensor(conv.weight.data, mesh["tp"], [Shard(2)]))
     attempt("placement", conv, stage=1)
     attempt("no_dtensor", _llama(), stage=1)
+    model = _parallelize(_llama(), mesh["tp"])
+    muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.01)
+    rest = torch.optim.SGD([p for p in model.parameters() if p.ndim != 2], lr=0.01)
+    attempt("muon", model, stage=1, optimizer=[muon, rest])
     engine = zerostate.Engine(_parallelize(_llama(), mesh["tp"]), mesh=mesh, stage=1)
     for what, call in (("save", engine.save), ("load", engine.load)):
         try:
@@ -212,6 +216,19 @@ def _errors_worker(rank: int, world_size: int) -> dict:
             out[what] = "accepted"
         except ConfigError as exc:
             out[what] = str(exc)
+    # fp16: an overflow on one rank skips the step on every rank of the mesh.
+    engine = zerostate.Engine(
+        _parallelize(_llama(), mesh["tp"]), mesh=mesh, stage=2, precision="fp16"
+    )
+    before = engine.full_state_dict()
+    loss = _loss(engine, _local_batch(0, mesh))
+    engine.backward(loss * float("inf") if rank == world_size - 1 else loss)
+    out["overflow_stepped"] = engine.step()
+    out["overflow_scale"] = engine.loss_scale
+    after = engine.full_state_dict()
+    out["overflow_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+    engine.backward(_loss(engine, _local_batch(1, mesh)))
+    out["fp16_stepped"] = engine.step()
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     try:
         zerostate.Engine(_parallelize(_llama(), mesh["tp"]), mesh=flat)
@@ -222,7 +239,7 @@ def _errors_worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
-def test_unsupported_tensor_parallel_setups_fail_naming_the_fix() -> None:
+def test_unsupported_setups_fail_naming_the_fix_and_fp16_overflow_is_one_verdict() -> None:
     results = run_distributed(_errors_worker, 4, timeout=300)
     for r in results:
         assert r == results[0]  # every rank raised the same error
@@ -234,7 +251,12 @@ def test_unsupported_tensor_parallel_setups_fail_naming_the_fix() -> None:
     assert "no parameter is a DTensor" in r["no_tp_dim"] or "no 'tp'" in r["no_tp_dim"], r
     assert "no parameter is a DTensor" in r["no_dtensor"], r
     assert "save() with tensor parallelism" in r["save"], r
+    assert "optimizer Muon needs whole matrices" in r["muon"], r
     assert "load() with tensor parallelism" in r["load"], r
+    # fp16 overflow on one tp rank of one dp_shard rank: skipped and rescaled everywhere;
+    # the next finite step is taken everywhere.
+    assert r["overflow_stepped"] is False and r["overflow_unchanged"], r
+    assert r["overflow_scale"] == 2.0**15 and r["fp16_stepped"] is True, r
 
 
 def test_full_state_dict_names_are_the_models_own() -> None:

@@ -79,7 +79,14 @@ class LocalParam:
     def data(self, value: torch.Tensor) -> None:
         if value is self.data:
             return
-        self.dparam.data = collectives.dtensor_like(value, self.dparam)
+        # ``dparam.data = dtensor`` would change the DTensor's dtype but keep its old local
+        # tensor (a bf16 / fp16 working copy would never reach the forward), so the
+        # parameter object takes the new DTensor's contents in place: the same object,
+        # which the model and the user's optimizer hold.
+        new = torch.nn.Parameter(
+            collectives.dtensor_like(value, self.dparam), self.dparam.requires_grad
+        )
+        torch.utils.swap_tensors(self.dparam, new)
 
     @property
     def grad(self) -> torch.Tensor | None:
@@ -201,6 +208,18 @@ def check_model(
                 "Linear or Embedding); parallelize that module with one of those styles "
                 "or leave it out of the plan"
             )
+
+
+def check_optimizer(names: list[str], tp: TensorParallel | None) -> None:
+    """Refuse an optimizer that needs whole matrices (``names``, from
+    :func:`zerostate.optim.whole_matrix_names`) with tensor parallelism: it would see only
+    the local tp shard of each matrix. Local, before any collective."""
+    if tp is not None and names:
+        raise ConfigError(
+            f"optimizer {', '.join(names)} needs whole matrices, and with tensor "
+            "parallelism each rank holds only its tp shard of them (not supported yet); "
+            "use an elementwise optimizer such as AdamW or SGD with a 'tp' mesh"
+        )
 
 
 def sum_of_squares(
