@@ -6,7 +6,10 @@ collective) and turns it into a :class:`MeshPlan`: the group ZeRO partitions ove
 hybrid sharding, the group the partitions are replicated over. Everything else in the engine
 keeps seeing one data-parallel group (``engine.group``, ``engine.rank``,
 ``engine.world_size`` are those of ``dp_shard``); the replicated dimension only adds the
-collectives of [Note: hybrid sharding].
+collectives of [Note: hybrid sharding]. A ``"tp"`` dimension is torch's tensor parallelism,
+whose DTensor parameters the engine partitions as their local shards ([Note: tensor
+parallelism] in zerostate.runtime.tp); a mesh of ``"tp"`` without ``"dp_shard"`` makes
+each rank a ZeRO world of one.
 
 [Note: hybrid sharding]
 With a ``("dp_replicate", "dp_shard")`` mesh, every replica (a ``dp_replicate`` coordinate)
