@@ -85,10 +85,14 @@ def _reference(opt_cls, settings, clip=None):
 
 
 def _dp(mesh):
+    """This rank's data-parallel index and the data-parallel size (tp ranks share data)."""
     names = mesh.mesh_dim_names
-    if "dp_shard" not in names:
-        return 0, 1
-    return int(mesh.get_local_rank("dp_shard")), int(mesh.size(names.index("dp_shard")))
+    rank, size = 0, 1
+    for dim in ("dp_replicate", "dp_shard"):  # outermost first
+        if dim in names:
+            n = int(mesh.size(names.index(dim)))
+            rank, size = rank * n + int(mesh.get_local_rank(dim)), size * n
+    return rank, size
 
 
 def _local_batch(step, mesh):
@@ -183,6 +187,37 @@ def test_tp_dp_shard_2x2_parity_clipping_and_full_state_dict() -> None:
 def test_tp_only_2_parity_clipping_and_full_state_dict() -> None:
     results = run_distributed(_parity_worker, 2, (2,), ("tp",), timeout=600)
     _check_parity(results, "tp 2")
+
+
+def _hsdp_worker(rank: int, world_size: int) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "tp"))
+    sgd_ref, _ = _reference(torch.optim.SGD, SGD)
+    clip_ref, ref_norm = _reference(torch.optim.SGD, SGD, clip=CLIP)
+    out = {"ref_norm": ref_norm}
+    for stage in (1, 2):
+        state, _ = _train_engine(mesh, stage, sgd=True)
+        out[("sgd", stage)] = _worst(state, sgd_ref)
+        state, norm = _train_engine(mesh, stage, sgd=True, clip=CLIP)
+        out[("clip", stage)] = _worst(state, clip_ref)
+        out[("norm", stage)] = norm
+    return out
+
+
+@pytest.mark.slow
+def test_tp_with_replicas_2x2_sgd_and_clipping_parity() -> None:
+    """(dp_replicate 2 x tp 2): each rank a ZeRO world of one, gradients summed over the
+    replicas, the norm counted once per tp shard and once per replica."""
+    results = run_distributed(_hsdp_worker, 4, timeout=600)
+    for r in results:
+        assert r == results[0]
+    r = results[0]
+    for stage in (1, 2):
+        print(
+            f"dp_replicate 2 x tp 2 stage {stage}: SGD {r[('sgd', stage)]:.2e}, clipped SGD "
+            f"{r[('clip', stage)]:.2e}, norm {r[('norm', stage)]:.6f} vs {r['ref_norm']:.6f}"
+        )
+        assert r[("sgd", stage)] <= 1e-5 and r[("clip", stage)] <= 1e-5, (stage, r)
+        assert abs(r[("norm", stage)] - r["ref_norm"]) <= 1e-5 * r["ref_norm"], (stage, r)
 
 
 def _errors_worker(rank: int, world_size: int) -> dict:
