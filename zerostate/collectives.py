@@ -118,6 +118,64 @@ def is_dtensor(obj: Any) -> bool:
     return isinstance(obj, DTensor)
 
 
+def dtensor_local(tensor: Any) -> torch.Tensor:
+    """The plain local tensor a DTensor holds on this rank (its storage, not a copy)."""
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def dtensor_placements(tensor: Any) -> tuple[str, ...]:
+    """A DTensor's placements as ``"shard(d)"``, ``"replicate"`` or ``"partial"``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    out = []
+    for p in tensor.placements:
+        if isinstance(p, Shard):
+            out.append(f"shard({p.dim})")
+        elif isinstance(p, Replicate):
+            out.append("replicate")
+        elif isinstance(p, Partial):
+            out.append("partial")
+        else:
+            out.append(type(p).__name__)
+    return tuple(out)
+
+
+def dtensor_like(local: torch.Tensor, like: Any) -> Any:
+    """A DTensor with ``like``'s mesh, placements, global shape and stride whose local
+    tensor on this rank is ``local``. No communication."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def dtensor_redistribute_like(tensor: Any, like: Any) -> Any:
+    """``tensor`` (a DTensor) redistributed to ``like``'s placements: a ``Partial``
+    gradient is summed over the mesh here (collective over ``tensor``'s mesh)."""
+    with torch.no_grad():
+        return tensor.redistribute(like.device_mesh, like.placements)
+
+
+def dtensor_full(local: torch.Tensor, like: Any) -> torch.Tensor:
+    """The global tensor whose local piece on this rank is ``local``, laid out as ``like``
+    (collective over ``like``'s mesh)."""
+    with torch.no_grad():
+        return dtensor_like(local, like).full_tensor()
+
+
+def new_singleton_group() -> Any:
+    """A one-rank process group of this rank alone; only this rank takes part in
+    creating it (``use_local_synchronization``), so it is no collective."""
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
 def _count(stats: CommStats | None, kind: str, numel: int, tensor: torch.Tensor) -> None:
     if stats is not None:
         stats.record(kind, numel, tensor.element_size())

@@ -107,8 +107,10 @@ class EngineConfig:
     """A ``torch.distributed.device_mesh.DeviceMesh`` over every rank, instead of ``group``:
     ZeRO partitions over its ``"dp_shard"`` dimension; a ``("dp_replicate", "dp_shard")``
     mesh is hybrid sharding (each replica a ZeRO group over ``dp_shard``, gradients summed
-    across replicas). A 1-D ``("dp_shard",)`` mesh is the same as no mesh. See
-    docs/api.md, "Device mesh"."""
+    across replicas). A 1-D ``("dp_shard",)`` mesh is the same as no mesh. With a ``"tp"``
+    dimension the model's DTensor parameters (torch's ``parallelize_module`` over
+    ``mesh["tp"]``) are partitioned as their local shards (stages 0-2). See docs/api.md,
+    "Device mesh"."""
     reduce_dtype: str | None = None
     """Dtype gradients are summed across ranks in: fp32, bf16 or fp16. None (default) is
     fp32 whatever ``precision`` is, as FSDP2's and DeepSpeed's fp32 reduction. Gradient

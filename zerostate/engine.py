@@ -59,12 +59,14 @@ from zerostate.optim import (
     link_user_optimizers,
     resolve_user_optimizers,
     sum_of_squares,
+    whole_matrix_names,
 )
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
 from zerostate.runtime import mesh as meshes
+from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
@@ -90,7 +92,7 @@ def _build_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
     return dataclasses.replace(config, **kwargs) if kwargs else config
 
 
-def _validate_model(model: Any, config: EngineConfig) -> None:
+def _validate_model(model: Any, config: EngineConfig, tensor_parallel: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     params = list(model.named_parameters())
@@ -102,14 +104,7 @@ def _validate_model(model: Any, config: EngineConfig) -> None:
             f"parameters live on several devices {sorted(map(str, devices))}; move the "
             "model to one device (each rank trains a full replica's worth of shards)"
         )
-    distributed = [name for name, p in params if collectives.is_dtensor(p)]
-    if distributed:
-        raise ConfigError(
-            f"{len(distributed)} parameter(s) ({', '.join(distributed[:3])}) are DTensors, "
-            "sharded by tensor parallelism (parallelize_module); training DTensor "
-            "parameters is not supported yet: build the Engine on the model before "
-            "parallelize_module, with a ('dp_shard',) or ('dp_replicate', 'dp_shard') mesh"
-        )
+    tp.check_model(params, tensor_parallel, stage=config.stage, offload=config.offload)
     for name, p in params:
         # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
         if not p.is_floating_point() and (p.requires_grad or p.is_meta):
@@ -256,7 +251,9 @@ class Engine:
         if error is None:
             try:
                 _check_not_wrapped(model)
-                _validate_model(model, config)
+                _validate_model(model, config, self._mesh.tp if self._mesh else None)
+                if self._mesh is not None:
+                    tp.check_optimizer(whole_matrix_names(optimizer), self._mesh.tp)
             except ZerostateError as exc:
                 error = exc
         device = self._pick_device(model, config)
@@ -304,16 +301,20 @@ class Engine:
         named, self.tied = adapt.named_parameters(model)
         no_decay = config.no_decay or (lambda name, p: p.ndim < 2)
         # [Note: partition rule]: every parameter is split evenly over the ranks.
+        #: The mesh's tp dimension ([Note: tensor parallelism] in zerostate.runtime.tp).
+        self._tp = self._mesh.tp if self._mesh is not None else None
+        # A DTensor parameter is partitioned as its local shard (tp.LocalParam).
+        local = [(n, tp.local_view(p)) for n, p in named]
         self._params = [
             ShardedParam(
                 n, p, even_layout(p.numel(), self.world_size), self.rank, bool(no_decay(n, p))
             )
-            for n, p in named
+            for n, p in local
         ]
         self._init_buffers()
         if config.sync_module_states and not any(p.is_meta for _, p in named):
             with torch.no_grad():
-                states = [p.data for _, p in named] + [b for _, b in adapt.replicated_state(model)]
+                states = [p.data for _, p in local] + [b for _, b in adapt.replicated_state(model)]
                 states = [t for t in states if t.numel()]
                 if self._mesh is not None:
                     meshes.broadcast_from_first(states, self._mesh)
@@ -413,6 +414,9 @@ class Engine:
         return optimizer
 
     def _on_grad_ready(self, index: int) -> None:
+        param = self._trainable[index].param
+        if isinstance(param, tp.LocalParam):
+            param.settle_grad()  # a Partial gradient is summed over tp before it is used
         self._got_grad[index] = True
         self._runtime.on_grad_ready(index)
 
@@ -494,10 +498,15 @@ class Engine:
         torch._foreach_mul_(grads, 1.0 / divisor)
         # One all-reduce gives the global squared norm and, per parameter, how many ranks
         # saw a gradient (a parameter no rank saw is not stepped, as torch skips it).
-        squares = sum_of_squares(grads)
+        if self._tp is not None:  # tp-sharded squares over tp, tp-replicated ones once
+            squares = tp.sum_of_squares(grads, self._trainable, self._tp, sum_of_squares)
+        else:
+            squares = sum_of_squares(grads)
         flags = torch.tensor(self._got_grad, dtype=torch.float32, device=squares.device)
         folded = torch.cat([squares, flags]).to(self.device)
         self._runtime.reduce_norm_and_flags(folded)
+        if self._tp is not None:
+            tp.all_reduce(folded, self._tp)
         folded = folded.to(squares.device)  # offload: the grads to clip are on the host
         norm = folded[:1].sqrt()
         stepped = (folded[1:] > 0).tolist()
@@ -752,6 +761,9 @@ class Engine:
         saves there anyway.
         """
 
+        if self._tp is not None:
+            raise tp.refuse("save()")
+
         def save() -> Any:
             return self._ckpt().save(
                 path,
@@ -798,6 +810,8 @@ class Engine:
         Saved state it does not restore (a ``stateful`` object not passed, RNG states at
         another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
         self._check_open("load()")
+        if self._tp is not None:
+            raise tp.refuse("load()")
         self._settle_host_copies()
         state = self._ckpt().load(
             path,
@@ -825,6 +839,8 @@ class Engine:
         (a :class:`~zerostate.pretrained.PretrainedReport`). Optimizer state is untouched.
         """
         self._check_open("load_pretrained()")
+        if self._tp is not None:
+            raise tp.refuse("load_pretrained()")
         self._settle_host_copies()
         return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
 
@@ -889,7 +905,12 @@ class Engine:
         """Full fp32 parameters (canonical names) and buffers; collective."""
         self._arrive("full_state_dict")
         full = self._runtime.full_masters(self._params)
-        out = {sp.name: t.view(sp.shape) for sp, t in zip(self._params, full, strict=True)}
+        out = {
+            # A DTensor's gathered local shard becomes the global tensor (collective
+            # over tp, in parameter order on every rank).
+            sp.name: sp.param.full(t) if isinstance(sp.param, tp.LocalParam) else t.view(sp.shape)
+            for sp, t in zip(self._params, full, strict=True)
+        }
         for name, buf in self._named_buffers():
             out[name] = buf.detach().clone()
         return out

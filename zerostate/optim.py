@@ -130,6 +130,12 @@ _REFUSED = {
 }
 
 
+def whole_matrix_names(optimizer: Any) -> list[str]:
+    """Class names of the user optimizers (one or a list) that need whole matrices."""
+    opts = optimizer if isinstance(optimizer, list) else [optimizer]
+    return [type(o).__name__ for o in opts if type(o) in _WHOLE_MATRIX]
+
+
 def supported_names() -> list[str]:
     return sorted(c.__name__ for c in [*_INITIAL_STATE, *_WHOLE_MATRIX])
 

@@ -258,7 +258,7 @@ def _errors_worker(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 def test_unsupported_meshes_fail_before_any_collective_naming_the_fix() -> None:
     r = run_distributed(_errors_worker, 4, timeout=120)[0]
-    assert "'tp'" in r["tp"] and "not supported yet" in r["tp"]
+    assert "'tp'" in r["tp"] and "parallelize_module" in r["tp"]
     assert "['dp']" in r["unknown"] and "dp_replicate" in r["unknown"]
     assert "no 'dp_shard'" in r["no_shard"] and "stage=0" in r["no_shard"]
     assert "not a torch DeviceMesh" in r["not_a_mesh"]

@@ -66,6 +66,7 @@ from zerostate.comm import (
     reduce_scatter_in_place,
     start_all_gather,
 )
+from zerostate.runtime.tp import LocalParam
 from zerostate.sharded import FlatLayout, ShardedParam
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -197,10 +198,12 @@ class ParamGroup:
     @property
     def _grad_views(self) -> bool:
         # Stage 0 with the reduce dtype equal to the working dtype: .grad is the buffer.
+        # A DTensor's .grad must stay a DTensor ([Note: tensor parallelism]): copied.
         return (
             self.acc is not None
             and not self.policy.shard_optimizer
             and self.ctx.reduce_dtype == self.ctx.param_dtype
+            and not any(isinstance(p.param, LocalParam) for p in self.trainable)
         )
 
     def _flat_view(self, i: int) -> torch.Tensor:

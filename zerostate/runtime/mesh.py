@@ -6,7 +6,10 @@ collective) and turns it into a :class:`MeshPlan`: the group ZeRO partitions ove
 hybrid sharding, the group the partitions are replicated over. Everything else in the engine
 keeps seeing one data-parallel group (``engine.group``, ``engine.rank``,
 ``engine.world_size`` are those of ``dp_shard``); the replicated dimension only adds the
-collectives of [Note: hybrid sharding].
+collectives of [Note: hybrid sharding]. A ``"tp"`` dimension is torch's tensor parallelism,
+whose DTensor parameters the engine partitions as their local shards ([Note: tensor
+parallelism] in zerostate.runtime.tp); a mesh of ``"tp"`` without ``"dp_shard"`` makes
+each rank a ZeRO world of one.
 
 [Note: hybrid sharding]
 With a ``("dp_replicate", "dp_shard")`` mesh, every replica (a ``dp_replicate`` coordinate)
@@ -55,6 +58,7 @@ from zerostate import collectives
 from zerostate.collectives import KINDS, CommStats
 from zerostate.comm import Replicas
 from zerostate.errors import CheckpointError, CommitTimeoutError, ConfigError
+from zerostate.runtime.tp import TensorParallel
 
 #: Mesh dimension names the engine understands, outermost first.
 DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
@@ -84,12 +88,7 @@ def check_mesh(mesh: Any) -> tuple[str, ...]:
         )
     if len(set(names)) != len(names):
         raise ConfigError(f"mesh names a dimension twice: {names}; give each one name once")
-    if "tp" in names:
-        raise ConfigError(
-            f"mesh={names}: tensor parallelism (a 'tp' dimension) is not supported yet; "
-            "train with a ('dp_shard',) or ('dp_replicate', 'dp_shard') mesh"
-        )
-    if "dp_shard" not in names:
+    if "dp_shard" not in names and "tp" not in names:
         raise ConfigError(
             f"mesh={names} has no 'dp_shard' dimension, which ZeRO partitions over; a mesh "
             "of replicas alone is plain data parallelism: name it ('dp_shard',) and use "
@@ -110,6 +109,9 @@ class MeshPlan:
     """Process group of ``dp_shard``: ZeRO partitions, gathers and reduce-scatters over it."""
     replicas: Replicas | None
     """The ``dp_replicate`` group and its counters; None for a mesh without one."""
+    tp: TensorParallel | None = None
+    """The ``tp`` dimension ([Note: tensor parallelism] in zerostate.runtime.tp); None for
+    a mesh without one."""
 
     @property
     def num_replicas(self) -> int:
@@ -143,11 +145,21 @@ def plan_mesh(mesh: Any, device: torch.device) -> MeshPlan:
             size=int(mesh.size(names.index("dp_replicate"))),
             stats=CommStats(),
         )
+    tp = None
+    if "tp" in names:
+        tp = TensorParallel(
+            mesh=mesh["tp"],
+            group=mesh.get_group("tp"),
+            rank=int(mesh.get_local_rank("tp")),
+            size=int(mesh.size(names.index("tp"))),
+        )
+    if "dp_shard" in names:
+        shard_group = mesh.get_group("dp_shard")
+    else:
+        # A tp-only mesh: each rank is a ZeRO world of one over its local shards.
+        shard_group = collectives.new_singleton_group()
     return MeshPlan(
-        dim_names=names,
-        dim_sizes=sizes,
-        shard_group=mesh.get_group("dp_shard"),
-        replicas=replicas,
+        dim_names=names, dim_sizes=sizes, shard_group=shard_group, replicas=replicas, tp=tp
     )
 
 

@@ -1,0 +1,255 @@
+"""ZeRO on the local shards of torch tensor parallelism (DTensor parameters).
+
+[Note: tensor parallelism]
+The user applies torch's ``parallelize_module(model, mesh["tp"], plan)`` before building
+the engine and passes the whole mesh (``("dp_shard", "tp")``, ``("tp",)``, ...). The
+engine never re-implements tensor parallelism: DTensor's forward and backward do every
+``tp`` collective of the computation. What the engine changes:
+
+* Each DTensor parameter enters the engine as its *local* shard (:class:`LocalParam`):
+  layouts, buckets, masters, gradient buffers and optimizer states are those of the local
+  tensor, partitioned over ``dp_shard`` exactly as a plain parameter of that shape would
+  be. Ranks at the same ``tp`` coordinate form the ZeRO group; ranks at the same
+  ``dp_shard`` coordinate see the same batch (the divisor of the step counts data-parallel
+  ranks only, never ``tp``).
+* Plain parameters of a tensor-parallel model (norms, embeddings outside the plan) are
+  replicated over ``tp``: DTensor's input hooks already sum their gradients over ``tp``
+  in backward (a ``Replicate`` input's gradient is made ``Replicate``), so every ``tp``
+  rank holds the same gradient and takes the same step. A DTensor gradient whose
+  placement differs from its parameter's (``Partial``) is redistributed to the
+  parameter's placement as it arrives (:meth:`LocalParam.settle_grad`), so the engine
+  never steps on a partial sum.
+* The gradient norm sums the squares of ``tp``-sharded parameters over ``tp`` and counts
+  ``tp``-replicated ones on ``tp`` rank 0 only; the folded norm-and-flags vector is
+  all-reduced over ``tp`` after ``dp_shard`` (and ``dp_replicate``), so the norm, the
+  clipping coefficient and the fp16 overflow verdict are one value on the whole mesh.
+* Stage 0's gradient-as-view of the flat buffer is off for a group holding a DTensor
+  parameter (a DTensor's ``.grad`` must be a DTensor); its gradient is copied into the
+  buffer as it arrives, as at stage 1.
+* ``full_state_dict()`` rebuilds each gathered local tensor into a DTensor and returns
+  its ``full_tensor()`` (collective over ``tp``): global tensors under the model's names.
+* Not supported yet, refused before any collective: stage 3, offload, save/load (each
+  ``tp`` coordinate's ``dp_shard`` world would write the same checkpoint names), a
+  DTensor on another mesh than ``mesh["tp"]``, placements other than ``Shard(0)``,
+  ``Shard(1)`` and ``Replicate()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerostate import collectives
+from zerostate.errors import ConfigError
+
+SUPPORTED_PLACEMENTS = ("shard(0)", "shard(1)", "replicate")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorParallel:
+    """The ``tp`` dimension of the engine's mesh."""
+
+    mesh: Any
+    """``mesh["tp"]``: every DTensor parameter must live on it."""
+    group: Any
+    rank: int
+    size: int
+
+
+class LocalParam:
+    """A DTensor parameter seen by the engine as its local shard: ``.data``, ``.grad``,
+    ``shape`` and ``numel()`` are those of the local tensor ([Note: tensor parallelism]).
+    Hooks are registered on the DTensor parameter itself, which autograd accumulates."""
+
+    __slots__ = ("dparam", "sharded")
+
+    def __init__(self, dparam: torch.nn.Parameter) -> None:
+        self.dparam = dparam
+        #: Whether the parameter is split over tp (else every tp rank holds all of it).
+        self.sharded = collectives.dtensor_placements(dparam) != ("replicate",)
+
+    # -- the local tensor --------------------------------------------------------------
+    @property
+    def data(self) -> torch.Tensor:
+        return collectives.dtensor_local(self.dparam)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        if value is self.data:
+            return
+        # ``dparam.data = dtensor`` would change the DTensor's dtype but keep its old local
+        # tensor (a bf16 / fp16 working copy would never reach the forward), so the
+        # parameter object takes the new DTensor's contents in place: the same object,
+        # which the model and the user's optimizer hold.
+        new = torch.nn.Parameter(
+            collectives.dtensor_like(value, self.dparam), self.dparam.requires_grad
+        )
+        torch.utils.swap_tensors(self.dparam, new)
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        grad = self.dparam.grad
+        if grad is None:
+            return None
+        # settle_grad ran in the gradient hook: a partial sum never reaches the engine.
+        assert grad.placements == self.dparam.placements, (grad.placements, self.dparam)
+        return collectives.dtensor_local(grad)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        if value is not None:  # internal: gradient views are off for DTensor parameters
+            raise TypeError("a DTensor parameter's .grad is set by autograd only")
+        self.dparam.grad = None
+
+    def settle_grad(self) -> None:
+        """Bring an arrived gradient to the parameter's placement (a ``Partial`` one is
+        summed over ``tp`` here; collective over ``tp``, in hook order, which is the same
+        on every ``tp`` rank since they run the same graph)."""
+        grad = self.dparam.grad
+        if grad is not None and grad.placements != self.dparam.placements:
+            self.dparam.grad = collectives.dtensor_redistribute_like(grad, self.dparam)
+
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor whose local shard is ``local`` (collective over ``tp``)."""
+        return collectives.dtensor_full(local.view(self.shape), self.dparam)
+
+    # -- what the engine reads of a parameter --------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def numel(self) -> int:
+        return self.data.numel()
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.dparam.requires_grad
+
+    @property
+    def is_meta(self) -> bool:
+        return self.dparam.is_meta
+
+    def untyped_storage(self) -> Any:
+        return self.data.untyped_storage()
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
+        return self.dparam.register_post_accumulate_grad_hook(hook)
+
+
+def local_view(param: torch.nn.Parameter) -> Any:
+    """What the engine keeps of ``param``: a :class:`LocalParam` for a DTensor."""
+    return LocalParam(param) if collectives.is_dtensor(param) else param
+
+
+def check_model(
+    named: list[tuple[str, torch.nn.Parameter]],
+    tp: TensorParallel | None,
+    *,
+    stage: int,
+    offload: Any,
+) -> None:
+    """Refuse DTensor parameters the engine cannot train yet ([Note: tensor
+    parallelism]); local, before any collective."""
+    distributed = [(n, p) for n, p in named if collectives.is_dtensor(p)]
+    if not distributed:
+        if tp is not None:
+            raise ConfigError(
+                "the mesh has a 'tp' dimension but no parameter is a DTensor: apply "
+                "torch's parallelize_module(model, mesh['tp'], plan) before building the "
+                "Engine, or drop 'tp' from the mesh"
+            )
+        return
+    shown = ", ".join(n for n, _ in distributed[:3])
+    if tp is None:
+        raise ConfigError(
+            f"{len(distributed)} parameter(s) ({shown}) are DTensors, sharded by tensor "
+            "parallelism (parallelize_module), but the engine has no 'tp' mesh dimension; "
+            "pass the mesh you parallelized over, e.g. mesh=init_device_mesh(..., "
+            "mesh_dim_names=('dp_shard', 'tp')) after parallelize_module(model, "
+            "mesh['tp'], plan)"
+        )
+    if stage == 3:
+        raise ConfigError(
+            "stage=3 with tensor parallelism (DTensor parameters) is not supported yet; "
+            "use stage 0, 1 or 2 with a 'tp' mesh"
+        )
+    if offload is not None:
+        raise ConfigError(
+            f"offload={offload!r} with tensor parallelism (DTensor parameters) is not "
+            "supported yet; train without offload, or without a 'tp' mesh"
+        )
+    for name, p in distributed:
+        if p.device_mesh != tp.mesh:
+            raise ConfigError(
+                f"parameter {name} is a DTensor on mesh {p.device_mesh} "
+                f"(dimensions {p.device_mesh.mesh_dim_names}), not on the engine's "
+                f"mesh['tp'] {tp.mesh}; parallelize the model with "
+                "parallelize_module(model, mesh['tp'], plan) using the mesh passed as mesh="
+            )
+        placements = collectives.dtensor_placements(p)
+        if len(placements) != 1 or placements[0] not in SUPPORTED_PLACEMENTS:
+            raise ConfigError(
+                f"parameter {name} has placement(s) {placements} on mesh['tp']; the engine "
+                f"supports {SUPPORTED_PLACEMENTS} (ColwiseParallel / RowwiseParallel of a "
+                "Linear or Embedding); parallelize that module with one of those styles "
+                "or leave it out of the plan"
+            )
+
+
+def check_optimizer(names: list[str], tp: TensorParallel | None) -> None:
+    """Refuse an optimizer that needs whole matrices (``names``, from
+    :func:`zerostate.optim.whole_matrix_names`) with tensor parallelism: it would see only
+    the local tp shard of each matrix. Local, before any collective."""
+    if tp is not None and names:
+        raise ConfigError(
+            f"optimizer {', '.join(names)} needs whole matrices, and with tensor "
+            "parallelism each rank holds only its tp shard of them (not supported yet); "
+            "use an elementwise optimizer such as AdamW or SGD with a 'tp' mesh"
+        )
+
+
+def sum_of_squares(
+    grads: list[torch.Tensor], params: list[Any], tp: TensorParallel, total: Any
+) -> torch.Tensor:
+    """This rank's share of the squared global norm: every element of a ``tp``-sharded
+    parameter's local gradient, and a ``tp``-replicated one's on ``tp`` rank 0 only (so
+    the sum over ``tp`` counts it once). ``total`` is the engine's sum-of-squares."""
+    sharded = [g for g, p in zip(grads, params, strict=True) if _tp_sharded(p)]
+    replicated = [g for g, p in zip(grads, params, strict=True) if not _tp_sharded(p)]
+    squares = total(sharded)
+    if tp.rank == 0:
+        squares = squares + total(replicated).to(squares.device)
+    return squares
+
+
+def _tp_sharded(sp: Any) -> bool:
+    return isinstance(sp.param, LocalParam) and sp.param.sharded
+
+
+def all_reduce(folded: torch.Tensor, tp: TensorParallel) -> None:
+    """Sum the norm-and-flags vector over ``tp`` too: one verdict on the whole mesh."""
+    collectives.all_reduce(folded, group=tp.group, stats=None)
+
+
+def refuse(what: str) -> ConfigError:
+    return ConfigError(
+        f"{what} with tensor parallelism (a 'tp' mesh dimension) is not supported yet: "
+        "checkpoints hold each parameter under its global name, and this engine holds "
+        "tp shards of it. Use engine.full_state_dict() (global tensors under the model's "
+        "names; torch.save it on rank 0) and load weights into the model before "
+        "parallelize_module"
+    )
