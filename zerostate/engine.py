@@ -10,7 +10,9 @@ One optimizer step (``K = grad_accum_steps``):
 1. ``engine(*args)`` runs the module between the strategy's forward hooks.
 2. ``engine.backward(loss)``, K times: the (fp16: scaled) loss is back-propagated; gradient
    hooks hand each gradient to the strategy, which accumulates it and launches bucket /
-   unit collectives while backward runs; what is left is flushed.
+   unit collectives while backward runs; what is left is flushed. After the last one each
+   ``.grad`` is a stand-in that raises on use, naming ``grad_clip=`` ([Note: gradient
+   stand-ins] in zerostate.runtime.grad_stand_in).
 3. ``engine.step()``: on the K-th call, each rank's gradient (shard) is taken in fp32 and
    divided by ``world_size * K * loss_scale`` (the mean over the global batch); one
    all-reduce of the squared norm and per-parameter gradient flags gives the global norm,
@@ -488,6 +490,7 @@ class Engine:
             )
         if self._micro_step < self.config.grad_accum_steps:
             return False
+        self._runtime.uncover_grads()  # [Note: gradient stand-ins] in zerostate.runtime
         if self._host is not None:
             grads = self._host_grads()
         else:

@@ -18,7 +18,7 @@ from helpers_dist import run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerostate
-from zerostate.errors import ConfigError
+from zerostate.errors import ConfigError, GradientAccessError
 
 pytest.importorskip("transformers")
 
@@ -110,6 +110,11 @@ def _train_engine(mesh, stage, *, sgd, clip=None):
         engine = zerostate.Engine(model, stage=stage, mesh=mesh, **ADAMW)
     for step in range(STEPS):
         engine.backward(_loss(engine, _local_batch(step, mesh)))
+        # DTensor parameters get the same .grad stand-ins as plain ones: torch's clipping
+        # call raises naming grad_clip= instead of clipping nothing ([Note: gradient
+        # stand-ins]); step() puts the real .grad back.
+        with pytest.raises(GradientAccessError, match="grad_clip=max_norm"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         engine.step()
     return engine.full_state_dict(), engine.last_grad_norm
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerostate import collectives
 from zerostate.comm import (
     CommContext,
     InFlight,
@@ -66,6 +67,7 @@ from zerostate.comm import (
     reduce_scatter_in_place,
     start_all_gather,
 )
+from zerostate.runtime.grad_stand_in import GradStandIn
 from zerostate.runtime.tp import LocalParam
 from zerostate.sharded import FlatLayout, ShardedParam
 
@@ -171,6 +173,10 @@ class ParamGroup:
         self.num_backward_calls = 0
         self.num_backward_done = 0
         self.needs_backward = False
+        # Between backward and step ([Note: gradient stand-ins]): one stand-in per
+        # trainable parameter, made once, and the .grad each one covers while it is lent.
+        self._stand_ins: list[GradStandIn] | None = None
+        self._covered: list[torch.Tensor | None] | None = None
 
     # -- working storage -------------------------------------------------------------
     def place(self, dtype: torch.dtype) -> None:
@@ -401,6 +407,32 @@ class ParamGroup:
             for p in self.trainable:
                 p.param.grad = None
 
+    # -- .grad between backward and step ([Note: gradient stand-ins]) ---------------
+    def cover_grads(self, reason: str) -> None:
+        """Put a stand-in in every trainable parameter's ``.grad``, keeping what was there."""
+        if self._covered is not None or not self.trainable:
+            return
+        holders = [_grad_holder(sp) for sp in self.trainable]
+        if self._stand_ins is None:
+            self._stand_ins = [
+                GradStandIn(holder, sp.name, reason)
+                for sp, holder in zip(self.trainable, holders, strict=True)
+            ]
+        self._covered = [holder.grad for holder in holders]
+        for holder, stand_in in zip(holders, self._stand_ins, strict=True):
+            holder.grad = stand_in
+
+    def uncover_grads(self) -> None:
+        """Put back the ``.grad`` each stand-in covered (a ``.grad`` the user replaced or
+        set to None meanwhile stays as the user left it)."""
+        if self._covered is None:
+            return
+        for sp, grad in zip(self.trainable, self._covered, strict=True):
+            holder = _grad_holder(sp)
+            if isinstance(holder.grad, GradStandIn):
+                holder.grad = grad
+        self._covered = None
+
     # -- accounting ------------------------------------------------------------------
     def param_bytes(self) -> int:
         if self.policy.shard_params:
@@ -409,8 +441,11 @@ class ParamGroup:
 
     def grad_bytes(self) -> int:
         held = _nbytes(self.acc) + _nbytes(self.grad_shard)
-        if not self._grad_views:
-            held += sum(_nbytes(sp.param.grad) for sp in self.trainable)
+        if not self._grad_views:  # a stand-in holds no bytes; what it covers may
+            if self._covered is None:
+                held += sum(_nbytes(sp.param.grad) for sp in self.trainable)
+            else:
+                held += sum(_nbytes(_local(g)) for g in self._covered)
         return held
 
     def gathered_bytes(self) -> int:
@@ -427,3 +462,13 @@ def _write_tag(layout: FlatLayout, buffer: torch.Tensor, tag: int) -> None:
 def _read_tags(layout: FlatLayout, buffer: torch.Tensor) -> list[int]:
     tags = layout.tags(buffer)[:, 0]
     return tags.view(_INT_OF_WIDTH[buffer.element_size()]).tolist()
+
+
+def _grad_holder(sp: ShardedParam) -> torch.Tensor:
+    """The tensor whose ``.grad`` a user's script sees: the DTensor parameter itself under
+    tensor parallelism (a :class:`LocalParam` only lends its local shard to the engine)."""
+    return sp.param.dparam if isinstance(sp.param, LocalParam) else sp.param
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return collectives.dtensor_local(grad) if collectives.is_dtensor(grad) else grad

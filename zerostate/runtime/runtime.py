@@ -66,6 +66,7 @@ from torch.utils.hooks import RemovableHandle
 from zerostate import collectives
 from zerostate.comm import CommContext, InFlight, all_gather_groups
 from zerostate.errors import DistributedMismatchError, ZerostateError
+from zerostate.runtime.grad_stand_in import where_grads_are
 from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
 from zerostate.runtime.grouping import assign_units, select_units, split_into_buckets
 from zerostate.runtime.init import materialise
@@ -412,6 +413,7 @@ class GroupRuntime:
         self._launch_ready()
 
     def prepare(self, *, boundary: bool) -> None:
+        self.uncover_grads()  # a backward without a step in between (after a load, say)
         self._communicate = boundary or self.policy.shard_grads
         self._boundary = boundary
         self._next = 0
@@ -461,6 +463,16 @@ class GroupRuntime:
             self._next = len(self._reduce_order)
         self._inflight.drain()
         self.release_all()
+        if self._boundary:  # the step's gradient is complete, and not in .grad
+            reason = where_grads_are(self.stage)
+            for group in self.groups:
+                group.cover_grads(reason)
+
+    def uncover_grads(self) -> None:
+        """Give every ``.grad`` back its value of before the stand-ins ([Note: gradient
+        stand-ins] in zerostate.runtime.grad_stand_in)."""
+        for group in self.groups:
+            group.uncover_grads()
 
     def release_all(self) -> None:
         if self._gathered_depth or self.detached:
@@ -627,6 +639,7 @@ class GroupRuntime:
         dict]). Collective when the parameters are partitioned; idempotent."""
         if self.detached:
             return
+        self.uncover_grads()
         if self.policy.shard_params:
             self._inflight.drain()
             self.release_all()
