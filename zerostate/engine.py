@@ -106,7 +106,7 @@ def _validate_model(model: Any, config: EngineConfig, tensor_parallel: Any = Non
             f"parameters live on several devices {sorted(map(str, devices))}; move the "
             "model to one device (each rank trains a full replica's worth of shards)"
         )
-    tp.check_model(params, tensor_parallel, stage=config.stage, offload=config.offload)
+    tp.check_model(params, tensor_parallel)
     for name, p in params:
         # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
         if not p.is_floating_point() and (p.requires_grad or p.is_meta):
