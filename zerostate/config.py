@@ -178,6 +178,18 @@ class EngineConfig:
     masters and optimizer states in host memory and runs the optimizer step on the host;
     ``"params"`` (stage 3) keeps the parameter shards there too. None keeps everything on
     the model's device."""
+    activation_checkpointing: str | None = None
+    """Recompute checkpointed blocks in backward instead of keeping their activations
+    (docs/engine.md, "Activation checkpointing"): ``"full"`` keeps each block's inputs, as
+    ``torch.utils.checkpoint``; ``"partitioned"`` (ZeRO-R Pa) keeps each block's input as a
+    1/TP slice on each rank of the mesh's ``"tp"`` dimension, all-gathered before the
+    recompute (without ``"tp"`` it is ``"full"``); ``"partitioned_cpu"`` (Pa+cpu) keeps that
+    slice in host memory. None (default) checkpoints nothing. Stages 0-2."""
+    checkpoint_modules: Any = None
+    """Which modules ``activation_checkpointing`` checkpoints: a module class, a list of
+    classes, or a predicate ``fn(name, module) -> bool`` (a module inside a chosen one is
+    not chosen again). None: the children of the model's largest ``nn.ModuleList`` (a
+    transformer's layers)."""
     offload_threads: int | None = None
     """Host threads of the offloaded optimizer step (``torch.set_num_threads`` around the
     step); None leaves torch's setting."""
@@ -271,6 +283,7 @@ class EngineConfig:
             )
 
         _check_offload(self)
+        _check_activation(self)
         if self.mesh is not None:
             from zerostate.runtime.mesh import check_mesh
 
@@ -311,6 +324,7 @@ class EngineConfig:
             ],  # fmt: skip
             "sync_module_states": self.sync_module_states,
             "cast_forward_inputs": self.cast_forward_inputs,
+            "activation_checkpointing": self.activation_checkpointing,
         }
 
 
@@ -342,6 +356,31 @@ def _check_offload(config: EngineConfig) -> None:
         raise ConfigError(f"offload_threads={threads!r} must be an integer >= 1, or None")
     if threads is not None and config.offload is None:
         warnings.warn("offload_threads has no effect without offload; remove it", stacklevel=4)
+
+
+def _check_activation(config: EngineConfig) -> None:
+    from zerostate.activation import MODES, check_which
+
+    mode = config.activation_checkpointing
+    if mode is not None and mode not in MODES:
+        raise ConfigError(
+            f"activation_checkpointing={mode!r} is not a mode; use 'full' (recompute blocks, "
+            "keep their inputs), 'partitioned' (keep a 1/TP slice of each input), "
+            "'partitioned_cpu' (that slice in host memory) or None"
+        )
+    if mode is not None and config.stage == 3:
+        raise ConfigError(
+            f"activation_checkpointing={mode!r} with stage=3 is not supported yet (the "
+            "recompute would run outside the stage-3 gathers); use stage 0, 1 or 2, or "
+            "activation_checkpointing=None"
+        )
+    check_which(config.checkpoint_modules)
+    if config.checkpoint_modules is not None and mode is None:
+        warnings.warn(
+            "checkpoint_modules has no effect without activation_checkpointing; set "
+            "activation_checkpointing='full' (or 'partitioned') or remove it",
+            stacklevel=4,
+        )
 
 
 def _precision_name(field: str, value: Any, *, allow_none: bool) -> str | None:

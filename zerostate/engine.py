@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerostate import adapt, collectives
+from zerostate import activation, adapt, collectives
 from zerostate.checkpoint import (  # imported here, not on the first save or load
     Checkpointer,
     SaveHandle,
@@ -254,6 +254,8 @@ class Engine:
             try:
                 _check_not_wrapped(model)
                 _validate_model(model, config, self._mesh.tp if self._mesh else None)
+                if config.activation_checkpointing is not None:
+                    activation.select_blocks(model, config.checkpoint_modules)
                 if self._mesh is not None:
                     tp.check_optimizer(whole_matrix_names(optimizer), self._mesh.tp)
             except ZerostateError as exc:
@@ -344,6 +346,13 @@ class Engine:
         self._optimizer = self._build_optimizer()
         link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
         _mark_wrapped(model, self)
+        #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.activation).
+        self._activation = None
+        if config.activation_checkpointing is not None:
+            self._activation = activation.apply(
+                model, config.activation_checkpointing, config.checkpoint_modules,
+                tp=self._tp, device=device,
+            )  # fmt: skip
         self._progress = ProgressLog(config.log_every)
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
@@ -875,6 +884,8 @@ class Engine:
             for handle in self._grad_hooks:
                 handle.remove()
             self._grad_hooks = []
+            if self._activation is not None:
+                self._activation.remove()
             self.module.__dict__.pop(_WRAPPED_BY, None)  # a new Engine may wrap it now
             self._closed = True
         if self._checkpointer is not None:

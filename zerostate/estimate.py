@@ -25,6 +25,14 @@ the device keeps the working parameters and the stage's gradients. ``offload="pa
 (stage 3): the 16-bit parameter shards, 2 * Psi / N, are on the host too. So stage 2 with
 optimizer offload holds 2 * Psi + 2 * Psi / N on each device and (K + 4) * Psi / N on
 its host.
+
+Inside a device mesh (``--tp``, ``--dp-replicate``): tensor parallelism splits each
+parameter it shards over the ``tp`` ranks, so a rank's ZeRO works on Psi / TP parameters
+(plus, whole, the ones the plan leaves replicated over tp: embeddings or norms outside the
+plan, ``tp_replicated``), partitioned over ``dp_shard = dp / dp_replicate`` ranks; replicas
+hold the same partitions as each other, so ``dp_replicate`` divides nothing ([Note: hybrid
+sharding] in zerostate.runtime.mesh). ``dp`` is every data-parallel rank (``dp_replicate x
+dp_shard``); the world is ``dp x tp``.
 """
 
 from __future__ import annotations
@@ -150,6 +158,39 @@ def offload_stages(offload: str | None) -> tuple[int, ...]:
     return OFFLOAD_STAGES[offload]
 
 
+@dataclass(frozen=True, slots=True)
+class MeshShape:
+    """What one rank's ZeRO partitions in a (dp_replicate, dp_shard, tp) mesh."""
+
+    params_per_tp_rank: int
+    """Parameters one tp rank holds: the tp-sharded ones / TP, plus the replicated ones."""
+    dp_shard: int
+    """Ranks ZeRO partitions over: dp / dp_replicate."""
+
+
+def mesh_shape(params: int, dp: int, *, tp: int = 1, dp_replicate: int = 1,
+               tp_replicated: int = 0) -> MeshShape:  # fmt: skip
+    """``params`` over a mesh of ``dp`` data-parallel ranks (``dp_replicate`` replicas of
+    ``dp / dp_replicate`` shards) and ``tp`` tensor-parallel ranks, ``tp_replicated`` of
+    the parameters left whole on every tp rank (see the module docstring)."""
+    _check(params, dp, 0)
+    for name, value in (("tp", tp), ("dp_replicate", dp_replicate)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if dp % dp_replicate:
+        raise ConfigError(
+            f"dp={dp} data-parallel ranks cannot form dp_replicate={dp_replicate} equal "
+            "replicas; dp counts every data-parallel rank (dp_replicate x dp_shard), so "
+            "make it a multiple of dp_replicate"
+        )
+    rep = tp_replicated
+    if not isinstance(rep, int) or isinstance(rep, bool) or not 0 <= rep <= params:
+        raise ConfigError(
+            f"tp_replicated={rep!r} must be a parameter count between 0 and params={params}"
+        )
+    return MeshShape(math.ceil((params - rep) / tp) + rep, dp // dp_replicate)
+
+
 def estimate(
     params: int,
     dp: int,
@@ -157,11 +198,19 @@ def estimate(
     stages: tuple[int, ...] | None = None,
     k: float = DEFAULT_K,
     offload: str | None = None,
+    tp: int = 1,
+    dp_replicate: int = 1,
+    tp_replicated: int = 0,
 ) -> list[StageEstimate]:
     """One :class:`StageEstimate` per requested stage, in order (by default every stage
-    ``offload`` applies to)."""
+    ``offload`` applies to). ``tp``, ``dp_replicate`` and ``tp_replicated``: the device
+    mesh (:func:`mesh_shape`); ``dp`` is every data-parallel rank."""
     stages = offload_stages(offload) if stages is None else stages
-    return [estimate_stage(params, dp, s, k, offload=offload) for s in stages]
+    shape = mesh_shape(params, dp, tp=tp, dp_replicate=dp_replicate, tp_replicated=tp_replicated)
+    return [
+        estimate_stage(shape.params_per_tp_rank, shape.dp_shard, s, k, offload=offload)
+        for s in stages
+    ]
 
 
 def _check_offload(stage: int, offload: str | None) -> None:

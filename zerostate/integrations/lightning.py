@@ -28,6 +28,12 @@ instead of a ``DistributedDataParallel`` wrapper:
   ``torch.save(model.state_dict(), path)`` on rank 0 writes them. A run that ends with an
   exception leaves the model as it is (gathering is collective; other ranks may be stuck).
 
+``mesh=`` (a device mesh with ``tp``, the LightningModule's layers parallelized with torch's
+``parallelize_module`` before ``fit``; the process group initialised first, which Lightning
+then keeps) passes through to the engine, and the distributed sampler splits the data over
+the data-parallel ranks only, so the ``tp`` ranks of one coordinate see the same batches.
+Checkpoints with tensor parallelism are not supported yet (``enable_checkpointing=False``).
+
 Gradient accumulation across the end of an epoch differs from DDP: the engine steps every
 ``accumulate_grad_batches`` micro-batches, so keep the batches per epoch a multiple of it.
 """
@@ -205,6 +211,17 @@ class ZeroStateStrategy(DDPStrategy):
         return PRECISIONS[setting]
 
     @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """With ``mesh=``, the sampler splits the data over the data-parallel ranks only:
+        the ``tp`` ranks of one ``(dp_replicate, dp_shard)`` coordinate see the same
+        batches (they compute one model replica together)."""
+        mesh = self.engine_options.get("mesh")
+        if mesh is None:
+            return super().distributed_sampler_kwargs
+        rank, size = data_parallel_coordinate(mesh)
+        return {"num_replicas": size, "rank": rank}
+
+    @property
     def handles_gradient_accumulation(self) -> bool:
         return True
 
@@ -272,6 +289,18 @@ class ZeroStateStrategy(DDPStrategy):
         if isinstance(self.model, _EngineModule):
             self.model = self.model.module
         super().teardown()
+
+
+def data_parallel_coordinate(mesh: Any) -> tuple[int, int]:
+    """This rank's index among the data-parallel ranks of ``mesh`` (``dp_replicate`` outer,
+    ``dp_shard`` inner) and their number; ``tp`` ranks share one index."""
+    names = tuple(mesh.mesh_dim_names or ())
+    rank, size = 0, 1
+    for dim in ("dp_replicate", "dp_shard"):
+        if dim in names:
+            n = int(mesh.size(names.index(dim)))
+            rank, size = rank * n + int(mesh.get_local_rank(dim)), size * n
+    return rank, size
 
 
 def _encode_lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:

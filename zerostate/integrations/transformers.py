@@ -22,6 +22,11 @@ Same arguments as ``Trainer`` plus ``stage`` and the engine's options. What chan
   per-device batch x world size, the same);
 - ``save_model(dir)`` writes the gathered fp32 weights with ``save_pretrained`` (a peft
   model writes its adapter), which ``from_pretrained`` loads;
+- ``mesh=`` (a device mesh with ``tp``: the model parallelized with torch's
+  ``parallelize_module`` before the Trainer is built) passes through to the engine, and the
+  dataloader is split over the data-parallel ranks only (accelerate's mesh-aware split): the
+  ``tp`` ranks of one data-parallel coordinate see the same batches. Checkpoints with
+  tensor parallelism are not supported yet (use ``save_strategy="no"``);
 - when ``train()`` returns, the engine is closed and the model holds its full trained
   weights at every stage, stage 3 included: ``model.save_pretrained(dir)`` or
   ``torch.save(model.state_dict(), path)`` on rank 0 writes them, and evaluation runs on
@@ -120,10 +125,32 @@ class ZeroStateTrainer(transformers.Trainer):
             )
         super().__init__(*args, **kwargs)
         zerostate.EngineConfig(stage=stage, **engine_options)  # validated now, not at train
+        if engine_options.get("mesh") is not None:
+            self._shard_data_by_mesh(engine_options["mesh"])
         self.stage = stage
         self.engine_options = engine_options
         self.engine: zerostate.Engine | None = None
         self._engine_module: _EngineModule | None = None
+
+    def _shard_data_by_mesh(self, mesh: Any) -> None:
+        """Ranks at one data-parallel coordinate (the ``tp`` ranks of it) must see the same
+        batches. Accelerate splits a dataloader by a device mesh whose dimensions are named
+        as the engine's (``dp_replicate``, ``dp_shard``, ``tp``, tp innermost), and takes
+        that mesh from ``Accelerator._prepare_device_mesh``, which here returns the
+        engine's mesh instead of accelerate's own (none without a parallelism config)."""
+        if not hasattr(self.accelerator, "_prepare_device_mesh"):
+            raise ConfigError(
+                "ZeroStateTrainer(mesh=...): this accelerate version cannot split the data "
+                "by a device mesh (Accelerator._prepare_device_mesh is missing); use "
+                "accelerate >= 1.10"
+            )
+        names = tuple(mesh.mesh_dim_names or ())
+        if "tp" in names and names[-1] != "tp":
+            raise ConfigError(
+                f"ZeroStateTrainer(mesh=...): mesh dimensions {names} must end with 'tp' "
+                "(accelerate gives ranks r // tp_size the same data)"
+            )
+        self.accelerator._prepare_device_mesh = lambda: mesh
 
     # ---------------------------------------------------------------- building
     def _precision(self) -> str:

@@ -1,0 +1,45 @@
+"""The Lightning strategy and the HF Trainer pass ``mesh=`` through to the engine: a
+transformers Llama parallelized by the user with torch's ``parallelize_module`` (TP on
+q/k/v/o/gate/up/down) trains on 4 gloo ranks at (dp_shard 2 x tp 2) under torchrun,
+stage 2, SGD, and its weights after 3 steps equal single-process SGD on the global batch
+whose batches the data-parallel ranks trained on (the tp ranks of each data-parallel
+coordinate saw the same batches, the two coordinates different ones)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers_dist import free_port
+
+pytest.importorskip("transformers")
+
+WORKER = Path(__file__).resolve().parent / "_mesh_worker.py"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+
+
+def _run(which: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+           f"--master_port={free_port()}", str(WORKER), which, str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["hf", "lightning"])
+def test_trainer_with_a_tp_mesh_matches_single_process_sgd(which: str, tmp_path: Path) -> None:
+    if which == "lightning":
+        pytest.importorskip("lightning")
+    result = _run(which, tmp_path)
+    print(f"\n{which}: largest weight difference to single-process SGD {result['worst']:.2e} "
+          f"(relative to the tensor's largest value); training moved weights by up to "
+          f"{result['moved']:.2e}")  # fmt: skip
+    assert result["missing"] == [] and result["steps"] == [3, 3, 3, 3], result
+    assert result["tp_peers_same"] and result["dp_ranks_differ"], result
+    assert result["moved"] > 1e-3  # the comparison is not between untrained models
+    assert result["worst"] <= 1e-5, result
