@@ -418,7 +418,8 @@ class Engine:
     def _on_grad_ready(self, index: int) -> None:
         param = self._trainable[index].param
         if isinstance(param, tp.LocalParam):
-            param.settle_grad()  # a Partial gradient is summed over tp before it is used
+            # A Partial gradient is summed over tp before it is used.
+            param.settle_grad(self._tp.stats)
         self._got_grad[index] = True
         self._runtime.on_grad_ready(index)
 
@@ -533,6 +534,8 @@ class Engine:
         self._stats.end_step()
         if self._ctx.replicas is not None:
             self._ctx.replicas.stats.end_step()
+        if self._tp is not None:
+            self._tp.stats.end_step()
         self._progress.after_step(self)
         return not overflow
 
@@ -1003,11 +1006,20 @@ class Engine:
         """Communication of the last completed optimizer step, per collective kind and in
         total, counted as in [Note: comm accounting] (zerostate.collectives).
 
-        With a hybrid-sharded mesh, ``dim="dp_shard"`` or ``dim="dp_replicate"`` gives one
-        mesh dimension's part; the default adds them up."""
+        With a mesh, ``dim=`` gives one dimension's part and the default adds them up:
+        ``"dp_shard"`` (ZeRO's gathers and reduce-scatters, of each rank's local tp shards
+        under tensor parallelism: 2 Psi/TP at stages 0-2, 3 Psi/TP at stage 3),
+        ``"dp_replicate"`` (hybrid sharding's all-reduce of the reduced gradient shard) and
+        ``"tp"``. Over ``tp`` only the collectives the engine itself issues are counted: the
+        norm-and-flags all-reduce and the summing of ``Partial`` gradients of replicated
+        DTensor parameters. The collectives torch's DTensor runs inside the module's forward
+        and backward (activations, the parallel styles' input/output redistributions) are
+        not counted: they are torch's, and the engine does not see them."""
         reports = {"dp_shard": self._stats.report()}
         if self._ctx.replicas is not None:
             reports["dp_replicate"] = self._ctx.replicas.stats.report()
+        if self._tp is not None:
+            reports["tp"] = self._tp.stats.report()
         if dim is None:
             return meshes.sum_reports(list(reports.values()))
         if dim not in reports:

@@ -346,9 +346,9 @@ def _partial_worker(rank: int, world_size: int) -> dict:
     placements = []
     settle = tp.LocalParam.settle_grad
 
-    def recording(self):
+    def recording(self, stats=None):
         placements.append(str(self.dparam.grad.placements[0]))
-        settle(self)
+        settle(self, stats)
 
     tp.LocalParam.settle_grad = recording
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
