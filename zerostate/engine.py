@@ -68,7 +68,7 @@ from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
 from zerostate.runtime import mesh as meshes
-from zerostate.runtime import tp
+from zerostate.runtime import tp, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
@@ -246,6 +246,8 @@ class Engine:
                 group = self._mesh.shard_group
             except ZerostateError as exc:
                 error = exc
+        if config is not None and config.tp_plan is not None:
+            self._apply_tp_plan(model, config, error)
         self.rank, self.world_size = collectives.group_info(group)
         # A mesh spans the default group: every rank of it agrees (and fails) together.
         agree_group = None if mesh_given else group
@@ -355,6 +357,25 @@ class Engine:
         ]
 
     # -- construction helpers -------------------------------------------------------------
+    def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
+        """``tp_plan=``: checked on every rank, the verdict agreed over the whole mesh (so
+        no rank enters torch's collectives alone), then ``parallelize_module`` over
+        ``mesh["tp"]`` ([Note: tp plans] in zerostate.runtime.tp_plan)."""
+        plan = None
+        if error is None:
+            try:
+                plan = tp_plan.resolve(model, config.tp_plan)
+            except ZerostateError as exc:
+                error = exc
+        collectives.check_agreement(
+            {"tp_plan": tp_plan.describe(config.tp_plan)},
+            error,
+            group=None,
+            world_size=collectives.group_info(None)[1],
+            device=self._pick_device(model, config),
+        )
+        tp_plan.apply(model, plan, self._mesh.tp.mesh)
+
     @staticmethod
     def _pick_device(model: Any, config: EngineConfig | None) -> torch.device:
         params = list(model.parameters()) if isinstance(model, nn.Module) else []
