@@ -986,6 +986,9 @@ class Engine:
         offload everything is on the device tier; with ``offload`` the masters, optimizer
         states and ``host_grads`` (the host staging buffer of the step's gradient shards)
         are on the host, and with ``offload="params"`` the parameter shards too.
+
+        Under tensor parallelism every count is of this rank's local tp shards (Psi/TP of a
+        tp-sharded matrix, all of a tp-replicated parameter), partitioned over ``dp_shard``.
         """
 
         def nbytes(t: torch.Tensor | None) -> int:
