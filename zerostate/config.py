@@ -109,8 +109,15 @@ class EngineConfig:
     mesh is hybrid sharding (each replica a ZeRO group over ``dp_shard``, gradients summed
     across replicas). A 1-D ``("dp_shard",)`` mesh is the same as no mesh. With a ``"tp"``
     dimension the model's DTensor parameters (torch's ``parallelize_module`` over
-    ``mesh["tp"]``) are partitioned as their local shards (stages 0-2). See docs/api.md,
+    ``mesh["tp"]``) are partitioned as their local shards. See docs/api.md,
     "Device mesh"."""
+    tp_plan: Any = None
+    """Tensor parallelism applied by the engine: ``{module pattern: style}`` as torch's
+    ``parallelize_module(model, mesh["tp"], plan)`` takes it (styles are torch
+    ``ParallelStyle`` objects or the names "colwise", "rowwise", ... of transformers'
+    plans), or ``"auto"`` for a transformers model's own ``config.base_model_tp_plan``.
+    Needs a ``mesh`` with a ``"tp"`` dimension ([Note: tp plans] in
+    zerostate.runtime.tp_plan)."""
     reduce_dtype: str | None = None
     """Dtype gradients are summed across ranks in: fp32, bf16 or fp16. None (default) is
     fp32 whatever ``precision`` is, as FSDP2's and DeepSpeed's fp32 reduction. Gradient
@@ -293,6 +300,11 @@ class EngineConfig:
                     "Engine got both mesh= and group=; the mesh names the data-parallel "
                     "groups itself ('dp_shard', 'dp_replicate'): pass only mesh="
                 )
+        if self.tp_plan is not None:
+            from zerostate.runtime.tp_plan import check_spec
+
+            names = None if self.mesh is None else tuple(self.mesh.mesh_dim_names or ())
+            check_spec(self.tp_plan, names)
 
     @property
     def working_dtype(self) -> torch.dtype:

@@ -68,7 +68,7 @@ from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
 from zerostate.runtime import mesh as meshes
-from zerostate.runtime import tp
+from zerostate.runtime import tp, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
@@ -246,6 +246,8 @@ class Engine:
                 group = self._mesh.shard_group
             except ZerostateError as exc:
                 error = exc
+        if config is not None and config.tp_plan is not None:
+            self._apply_tp_plan(model, config, error)
         self.rank, self.world_size = collectives.group_info(group)
         # A mesh spans the default group: every rank of it agrees (and fails) together.
         agree_group = None if mesh_given else group
@@ -364,6 +366,25 @@ class Engine:
         ]
 
     # -- construction helpers -------------------------------------------------------------
+    def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
+        """``tp_plan=``: checked on every rank, the verdict agreed over the whole mesh (so
+        no rank enters torch's collectives alone), then ``parallelize_module`` over
+        ``mesh["tp"]`` ([Note: tp plans] in zerostate.runtime.tp_plan)."""
+        plan = None
+        if error is None:
+            try:
+                plan = tp_plan.resolve(model, config.tp_plan)
+            except ZerostateError as exc:
+                error = exc
+        collectives.check_agreement(
+            {"tp_plan": tp_plan.describe(config.tp_plan)},
+            error,
+            group=None,
+            world_size=collectives.group_info(None)[1],
+            device=self._pick_device(model, config),
+        )
+        tp_plan.apply(model, plan, self._mesh.tp.mesh)
+
     @staticmethod
     def _pick_device(model: Any, config: EngineConfig | None) -> torch.device:
         params = list(model.parameters()) if isinstance(model, nn.Module) else []
@@ -427,7 +448,8 @@ class Engine:
     def _on_grad_ready(self, index: int) -> None:
         param = self._trainable[index].param
         if isinstance(param, tp.LocalParam):
-            param.settle_grad()  # a Partial gradient is summed over tp before it is used
+            # A Partial gradient is summed over tp before it is used.
+            param.settle_grad(self._tp.stats)
         self._got_grad[index] = True
         self._runtime.on_grad_ready(index)
 
@@ -542,6 +564,8 @@ class Engine:
         self._stats.end_step()
         if self._ctx.replicas is not None:
             self._ctx.replicas.stats.end_step()
+        if self._tp is not None:
+            self._tp.stats.end_step()
         self._progress.after_step(self)
         return not overflow
 
@@ -979,6 +1003,9 @@ class Engine:
         offload everything is on the device tier; with ``offload`` the masters, optimizer
         states and ``host_grads`` (the host staging buffer of the step's gradient shards)
         are on the host, and with ``offload="params"`` the parameter shards too.
+
+        Under tensor parallelism every count is of this rank's local tp shards (Psi/TP of a
+        tp-sharded matrix, all of a tp-replicated parameter), partitioned over ``dp_shard``.
         """
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -1020,11 +1047,20 @@ class Engine:
         """Communication of the last completed optimizer step, per collective kind and in
         total, counted as in [Note: comm accounting] (zerostate.collectives).
 
-        With a hybrid-sharded mesh, ``dim="dp_shard"`` or ``dim="dp_replicate"`` gives one
-        mesh dimension's part; the default adds them up."""
+        With a mesh, ``dim=`` gives one dimension's part and the default adds them up:
+        ``"dp_shard"`` (ZeRO's gathers and reduce-scatters, of each rank's local tp shards
+        under tensor parallelism: 2 Psi/TP at stages 0-2, 3 Psi/TP at stage 3),
+        ``"dp_replicate"`` (hybrid sharding's all-reduce of the reduced gradient shard) and
+        ``"tp"``. Over ``tp`` only the collectives the engine itself issues are counted: the
+        norm-and-flags all-reduce and the summing of ``Partial`` gradients of replicated
+        DTensor parameters. The collectives torch's DTensor runs inside the module's forward
+        and backward (activations, the parallel styles' input/output redistributions) are
+        not counted: they are torch's, and the engine does not see them."""
         reports = {"dp_shard": self._stats.report()}
         if self._ctx.replicas is not None:
             reports["dp_replicate"] = self._ctx.replicas.stats.report()
+        if self._tp is not None:
+            reports["tp"] = self._tp.stats.report()
         if dim is None:
             return meshes.sum_reports(list(reports.values()))
         if dim not in reports:

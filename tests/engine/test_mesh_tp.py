@@ -342,36 +342,47 @@ def _partial_worker(rank: int, world_size: int) -> dict:
     from zerostate.runtime import tp
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    model, ref = _ReplicatedScale(mesh["tp"]), _ReplicatedScale()
     placements = []
     settle = tp.LocalParam.settle_grad
 
-    def recording(self):
+    def recording(self, stats=None):
         placements.append(str(self.dparam.grad.placements[0]))
-        settle(self)
+        settle(self, stats)
 
     tp.LocalParam.settle_grad = recording
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = zerostate.Engine(model, mesh=mesh, stage=2, optimizer=opt)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(3):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(x))
-        engine.step()
-        ref_opt.zero_grad()
-        ref(x).backward()
-        ref_norm = float(ref.w.grad.norm())
-        ref_opt.step()
-    return {
-        "placements": placements,
-        "err": rel(engine.full_state_dict()["w"], ref.w.detach()),
-        "norm": (engine.last_grad_norm, ref_norm),
-    }
+    out = {}
+    for stage in (2, 3):
+        placements.clear()
+        model, ref = _ReplicatedScale(mesh["tp"]), _ReplicatedScale()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine = zerostate.Engine(model, mesh=mesh, stage=stage, optimizer=opt)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            engine.backward(engine(x))
+            engine.step()
+            ref_opt.zero_grad()
+            ref(x).backward()
+            ref_norm = float(ref.w.grad.norm())
+            ref_opt.step()
+        out[stage] = {
+            "placements": list(placements),
+            "err": rel(engine.full_state_dict()["w"], ref.w.detach()),
+            "norm": (engine.last_grad_norm, ref_norm),
+            # Counted as the all-reduce of the 6-element local gradient, with the norm's.
+            "tp_comm": engine.comm_stats("tp")["all_reduce"]["elements"],
+        }
+        engine.close()
+    tp.LocalParam.settle_grad = settle
+    return out
 
 
 def test_partial_gradient_of_a_replicated_dtensor_is_summed_over_tp() -> None:
     for r in run_distributed(_partial_worker, 2, timeout=300):
-        assert r["placements"] == ["P(sum)"] * 3  # DTensor handed the engine partial sums
-        assert r["err"] <= 1e-6, r
-        norm, ref_norm = r["norm"]
-        assert abs(norm - ref_norm) <= 1e-6 * ref_norm, r  # counted once, not per tp rank
+        for stage in (2, 3):  # stage 3: the gathered DTensor's gradient arrives Partial too
+            s = r[stage]
+            assert s["placements"] == ["P(sum)"] * 3, stage  # DTensor handed partial sums
+            assert s["err"] <= 1e-6, (stage, s)
+            norm, ref_norm = s["norm"]
+            assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (stage, s)  # counted once
+            assert s["tp_comm"] == 2 * 6 + 2 * 2, (stage, s)  # gradient + [norm, flag]

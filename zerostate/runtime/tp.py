@@ -44,12 +44,13 @@ engine never re-implements tensor parallelism: DTensor's forward and backward do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from zerostate import collectives
+from zerostate.collectives import CommStats
 from zerostate.errors import ConfigError
 
 SUPPORTED_PLACEMENTS = ("shard(0)", "shard(1)", "replicate")
@@ -64,6 +65,9 @@ class TensorParallel:
     group: Any
     rank: int
     size: int
+    stats: CommStats = field(default_factory=CommStats)
+    """The collectives the engine itself issues over ``tp`` (see :func:`all_reduce` and
+    :meth:`LocalParam.settle_grad`); DTensor's own forward/backward traffic is not here."""
 
 
 class LocalParam:
@@ -111,13 +115,17 @@ class LocalParam:
             raise TypeError("a DTensor parameter's .grad is set by autograd only")
         self.dparam.grad = None
 
-    def settle_grad(self) -> None:
+    def settle_grad(self, stats: CommStats | None = None) -> None:
         """Bring an arrived gradient to the parameter's placement (a ``Partial`` one is
         summed over ``tp`` here; collective over ``tp``, in hook order, which is the same
-        on every ``tp`` rank since they run the same graph)."""
+        on every ``tp`` rank since they run the same graph). Counted in ``stats`` as the
+        all-reduce of the local gradient it is ([Note: comm accounting])."""
         grad = self.dparam.grad
         if grad is not None and grad.placements != self.dparam.placements:
             self.dparam.grad = collectives.dtensor_redistribute_like(grad, self.dparam)
+            if stats is not None:
+                local = collectives.dtensor_local(grad)
+                stats.record("all_reduce", 2 * local.numel(), local.element_size())
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """The global tensor whose local shard is ``local`` (collective over ``tp``)."""
@@ -275,7 +283,7 @@ def _tp_sharded(sp: Any) -> bool:
 
 def all_reduce(folded: torch.Tensor, tp: TensorParallel) -> None:
     """Sum the norm-and-flags vector over ``tp`` too: one verdict on the whole mesh."""
-    collectives.all_reduce(folded, group=tp.group, stats=None)
+    collectives.all_reduce(folded, group=tp.group, stats=tp.stats)
 
 
 def refuse(what: str) -> ConfigError:
