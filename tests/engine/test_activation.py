@@ -164,6 +164,11 @@ def test_settings_are_checked_naming_the_fix() -> None:
         zerostate.Engine(_Net(), checkpoint_modules=_Block).close()
     with pytest.warns(UserWarning, match="nothing to partition over"):
         zerostate.Engine(_Net(), activation_checkpointing="partitioned").close()
+    model = _Net()
+    model.blocks[1].forward = model.blocks[1].forward  # another wrapper's instance forward
+    with pytest.raises(ConfigError, match="module blocks.1 already has a forward of its own"):
+        zerostate.Engine(model, activation_checkpointing="full")
+    assert "forward" not in model.blocks[0].__dict__  # refused before anything was wrapped
     # Nested choices: only the outermost module is checkpointed.
     model = _Net()
     engine = zerostate.Engine(
