@@ -31,15 +31,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("out", metavar="OUT", help="destination checkpoint root (path or URL)")
     parser.add_argument(
         "--world-size",
+        "--dp",
+        dest="world_size",
         required=True,
         type=arg_type(positive_int),
-        help="number of ranks to lay the step out for",
+        help="number of data-parallel ranks to lay the step out for",
+    )
+    parser.add_argument(
+        "--tp",
+        type=arg_type(positive_int),
+        default=1,
+        help="tensor-parallel degree (default 1): the step is laid out for TP x DP ranks, "
+        "each tensor the source stores in tensor-parallel pieces split along the same dim",
     )
     parser.add_argument(
         "--min-shard-numel",
         type=arg_type(positive_int),
-        default=DEFAULT_MIN_SHARD_NUMEL,
-        help=f"smallest piece a tensor is cut into (default {DEFAULT_MIN_SHARD_NUMEL})",
+        default=None,
+        help=f"smallest piece a tensor is cut into (default {DEFAULT_MIN_SHARD_NUMEL}; a step "
+        "with tensor-parallel layouts is split evenly, as a tensor-parallel job saves it)",
     )
     parser.add_argument(
         "--force",
@@ -72,10 +82,12 @@ def run(args: argparse.Namespace) -> int:
             args.world_size,
             step=args.step,
             min_shard_numel=args.min_shard_numel,
+            default_min_shard_numel=DEFAULT_MIN_SHARD_NUMEL,
             storage_options=src_options,
             dst_storage_options=dst_options or {},  # {}: not the source's options
             force=args.force,
             progress=progress,
+            tp=args.tp,
         )
     if args.json:
         print_json(

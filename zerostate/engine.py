@@ -106,7 +106,7 @@ def _validate_model(model: Any, config: EngineConfig, tensor_parallel: Any = Non
             f"parameters live on several devices {sorted(map(str, devices))}; move the "
             "model to one device (each rank trains a full replica's worth of shards)"
         )
-    tp.check_model(params, tensor_parallel, stage=config.stage, offload=config.offload)
+    tp.check_model(params, tensor_parallel)
     for name, p in params:
         # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
         if not p.is_floating_point() and (p.requires_grad or p.is_meta):
@@ -675,6 +675,12 @@ class Engine:
             # of another model than "other param groups" does.
             step = state["step"] if step is None else step
             needed = self._planned_tensors(keys)
+            # A non-persistent buffer (a rotary inv_freq) is not in torch's state_dict, so a
+            # peer's checkpoint never holds it: the model's own value stays, as with torch's
+            # load_state_dict. The engine's own steps hold it and restore it.
+            for name in self._non_persistent:
+                if f"buffers/{name}" not in stored:
+                    needed.pop(f"buffers/{name}", None)
             check_tensors(needed, stored, strict=strict, where=where, step=step)
         hyper, mixed = self._optimizer.plan_groups(meta, strict=strict)
         optimizer = OptimizerLoad(keys, scalars, tuple(hyper), tuple(mixed))

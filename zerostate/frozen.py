@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from zerostate.store.refs import TensorRef, shard_digest
 
@@ -38,26 +38,42 @@ class FrozenPlan:
         return {r.spec.name for r in self.refs}
 
 
-def plan_frozen(checkpointer: Any, root: Any, step: int, latest: int | None) -> FrozenPlan:
+class SaveSource(Protocol):
+    """What :func:`plan_frozen` needs of the save it plans for (a save session)."""
+
+    @property
+    def document(self) -> dict:
+        """The engine-state document the save records (its ``frozen`` names)."""
+
+    @property
+    def pieces(self) -> list[Any]:
+        """This rank's pieces (``.spec``, ``.source``: the owned slice) of every view."""
+
+    @property
+    def coordinator(self) -> Any:
+        """The save's :class:`~zerostate.coordinator.Coordinator`."""
+
+
+def plan_frozen(save: SaveSource, root: Any, step: int, latest: int | None) -> FrozenPlan:
     """Collective: every rank calls it with the same arguments; it never raises for a
-    problem of one rank (that rank votes "write everything" instead). ``root`` is the
-    save's :class:`~zerostate.store.root.CheckpointRoot`, ``latest`` its latest committed
-    step as rank 0 listed it before the save (None: the root holds none)."""
-    engine = checkpointer.engine
-    names = sorted(f"model/{n}" for n in engine.engine_state().get("frozen", []))
+    problem of one rank (that rank votes "write everything" instead). ``save`` is the save
+    session, ``root`` its :class:`~zerostate.store.root.CheckpointRoot`, ``latest`` its
+    latest committed step as rank 0 listed it before the save (None: the root holds none)."""
+    coordinator = save.coordinator
+    names = sorted(f"model/{n}" for n in save.document.get("frozen", []))
     if not names:
         return FrozenPlan()
     base, holders, digests, specs = -1, {}, {}, {}
     try:
-        pieces = {p.spec.name: p for p in checkpointer._pieces() if p.spec.name in names}
+        pieces = {p.spec.name: p for p in save.pieces if p.spec.name in names}
         specs = {n: pieces[n].spec for n in names}
         digests = {n: shard_digest(pieces[n].source) for n in names}
-        base, holders = _matching(checkpointer, root, latest, specs, digests)
+        base, holders = _matching(coordinator, root, latest, specs, digests)
     except Exception as exc:  # noqa: BLE001 - the plain save is always correct
         log.warning("zerostate: frozen tensors of step %d are written in full: %s", step, exc)
         base, holders = -1, {}
     votes = [base, *(1 if n in holders else 0 for n in names)]
-    rows = checkpointer._exchange(votes)
+    rows = coordinator.exchange(votes)
     agreed = len({r[0] for r in rows}) == 1 and rows[0][0] >= 0 and bool(specs)
     refs, recorded = [], {}
     for i, name in enumerate(names, start=1):
@@ -70,7 +86,7 @@ def plan_frozen(checkpointer: Any, root: Any, step: int, latest: int | None) -> 
 
 
 def _matching(
-    checkpointer: Any,
+    coordinator: Any,
     root: Any,
     latest: int | None,
     specs: dict[str, Any],
@@ -81,9 +97,9 @@ def _matching(
     if latest is None:
         return -1, {}
     with root.step(latest) as st:
-        if not st.supports_references or st.world_size != checkpointer.world_size:
+        if not st.supports_references or st.world_size != coordinator.world_size:
             return -1, {}
-        prior = (st.rank_state(checkpointer.rank) or {}).get(RANK_STATE_KEY)
+        prior = (st.rank_state(coordinator.rank) or {}).get(RANK_STATE_KEY)
         if not isinstance(prior, dict):
             return st.step, {}
         refs = st.refs

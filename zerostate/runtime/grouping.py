@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from zerostate.runtime.tp import model_param
 from zerostate.sharded import ShardedParam
 
 UnitPolicy = Callable[[str, nn.Module], bool]
@@ -125,7 +126,7 @@ def assign_units(
                 owners.setdefault(id(p), set()).add(name)
     members: dict[str, list[ShardedParam]] = {}
     for sp in sparams:
-        names = owners[id(sp.param)]
+        names = owners[id(model_param(sp.param))]
         target = ""
         if len(names) == 1:
             (owner,) = names

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from zerostate.runtime.tp import empty_like_param, model_param
 from zerostate.sharded import ShardedParam
 
 
@@ -144,7 +145,7 @@ def materialise(
     """Give every ``ShardedParam`` its local/master slices and swap in storage-resizable
     full-shape parameters (see [Note: stage-3 parameters]). Returns the names of parameters
     and buffers left unset (see [Note: unset state]); parameter names are canonical."""
-    by_id = {id(sp.param): sp for sp in sparams}
+    by_id = {id(model_param(sp.param)): sp for sp in sparams}
     unset: list[str] = []
     if any(sp.param.is_meta for sp in sparams):
         with torch.no_grad():
@@ -156,14 +157,12 @@ def materialise(
             unset = found
     else:
         for sp in sparams:
-            _take_shard(sp, sp.param.detach(), dtype, device)
+            # A DTensor parameter is partitioned as its local tp shard.
+            _take_shard(sp, sp.param.data, dtype, device)
     replaced = {}
     for sp in sparams:
-        fresh = nn.Parameter(
-            torch.empty(sp.shape, dtype=dtype, device=device), requires_grad=sp.trainable
-        )
-        fresh.untyped_storage().resize_(0)
-        replaced[id(sp.param)] = fresh
+        fresh = empty_like_param(sp.param, dtype, device, sp.trainable)
+        replaced[id(model_param(sp.param))] = model_param(fresh)
         sp.param = fresh
     for module in model.modules():
         for n, p in module._parameters.items():

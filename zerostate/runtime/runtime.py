@@ -70,6 +70,7 @@ from zerostate.runtime.grad_stand_in import where_grads_are
 from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
 from zerostate.runtime.grouping import assign_units, select_units, split_into_buckets
 from zerostate.runtime.init import materialise
+from zerostate.runtime.tp import local_tensor, model_param
 from zerostate.sharded import FlatLayout, ShardedParam
 
 # Kinds of the small synchronous exchanges of [Note: agreed gather order].
@@ -231,7 +232,7 @@ class GroupRuntime:
     def _guard_state_dicts(self, model: nn.Module) -> None:
         """[Note: no hollow state dict]: a pre-hook on every module owning a partitioned
         parameter, so ``state_dict()`` of the model or of any submodule is covered."""
-        partitioned = {id(sp.param) for sp in self.params}
+        partitioned = {id(model_param(sp.param)) for sp in self.params}
         for module in model.modules():
             owned = [p for p in module._parameters.values() if p is not None]
             if any(id(p) in partitioned for p in owned):
@@ -608,7 +609,7 @@ class GroupRuntime:
         groups = [
             g
             for g in self.groups
-            if wanted is None or any(id(sp.param) in wanted for sp in g.params)
+            if wanted is None or any(id(model_param(sp.param)) in wanted for sp in g.params)
         ]
         partitioned = self.policy.shard_params and not self.detached
         if partitioned:
@@ -683,7 +684,7 @@ def _refuse_hollow(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     hollow = [
         prefix + name
         for name, p in module._parameters.items()
-        if p is not None and p.numel() and not p.untyped_storage().nbytes()
+        if p is not None and p.numel() and not local_tensor(p).untyped_storage().nbytes()
     ]
     if hollow:
         raise StageUsageError(

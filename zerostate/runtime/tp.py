@@ -23,15 +23,23 @@ engine never re-implements tensor parallelism: DTensor's forward and backward do
   ``tp``-replicated ones on ``tp`` rank 0 only; the folded norm-and-flags vector is
   all-reduced over ``tp`` after ``dp_shard`` (and ``dp_replicate``), so the norm, the
   clipping coefficient and the fp16 overflow verdict are one value on the whole mesh.
+* Stage 3 partitions the local shards as any parameter's ([Note: partitioned
+  parameters] in zerostate.runtime.group): the model's DTensor parameters are replaced by
+  new ones (same mesh, placements, global shape) whose local tensor has zero bytes of
+  storage (:func:`empty_like_param`); a unit's gather resizes and fills that local storage
+  over ``dp_shard`` and its release frees it, so the module always holds DTensors and
+  DTensor's forward and backward do the ``tp`` collectives on the gathered values.
+  Offload moves masters, optimizer states (and at stage 3 the shards) of the local shards
+  to the host, as for any parameter.
 * Stage 0's gradient-as-view of the flat buffer is off for a group holding a DTensor
   parameter (a DTensor's ``.grad`` must be a DTensor); its gradient is copied into the
   buffer as it arrives, as at stage 1.
 * ``full_state_dict()`` rebuilds each gathered local tensor into a DTensor and returns
   its ``full_tensor()`` (collective over ``tp``): global tensors under the model's names.
-* Not supported yet, refused before any collective: stage 3, offload, save/load (each
+* Not supported yet, refused before any collective: save/load (each
   ``tp`` coordinate's ``dp_shard`` world would write the same checkpoint names), a
   DTensor on another mesh than ``mesh["tp"]``, placements other than ``Shard(0)``,
-  ``Shard(1)`` and ``Replicate()``.
+  ``Shard(1)`` and ``Replicate()``, DTensor parameters on the meta device.
 """
 
 from __future__ import annotations
@@ -155,12 +163,40 @@ def local_view(param: torch.nn.Parameter) -> Any:
     return LocalParam(param) if collectives.is_dtensor(param) else param
 
 
+def model_param(param: Any) -> torch.nn.Parameter:
+    """The parameter object the model holds for what the engine keeps (``param`` itself,
+    or a :class:`LocalParam`'s DTensor)."""
+    return param.dparam if isinstance(param, LocalParam) else param
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s storage-holding tensor: a DTensor's local shard, else ``param``."""
+    return collectives.dtensor_local(param) if collectives.is_dtensor(param) else param
+
+
+def empty_like_param(
+    param: Any, dtype: torch.dtype, device: torch.device, requires_grad: bool
+) -> Any:
+    """A parameter of ``param``'s (local) shape with zero bytes of storage, for stage 3
+    ([Note: partitioned parameters] in zerostate.runtime.group): a plain ``nn.Parameter``,
+    or for a :class:`LocalParam` a new one whose DTensor (same mesh, placements, global
+    shape) has such a local tensor. The module is handed the DTensor, so torch's DTensor
+    forward and backward run the tp collectives on the gathered local storage."""
+    local = torch.empty(param.shape, dtype=dtype, device=device)
+    local.untyped_storage().resize_(0)
+    if not isinstance(param, LocalParam):
+        return torch.nn.Parameter(local, requires_grad=requires_grad)
+    fresh = torch.nn.Parameter(collectives.dtensor_like(local, param.dparam), requires_grad)
+    # The DTensor's local tensor aliases ``local``: resizing its storage gathers/releases.
+    assert collectives.dtensor_local(fresh).untyped_storage().data_ptr() == (
+        local.untyped_storage().data_ptr()
+    )
+    return LocalParam(fresh)
+
+
 def check_model(
     named: list[tuple[str, torch.nn.Parameter]],
     tp: TensorParallel | None,
-    *,
-    stage: int,
-    offload: Any,
 ) -> None:
     """Refuse DTensor parameters the engine cannot train yet ([Note: tensor
     parallelism]); local, before any collective."""
@@ -182,15 +218,12 @@ def check_model(
             "mesh_dim_names=('dp_shard', 'tp')) after parallelize_module(model, "
             "mesh['tp'], plan)"
         )
-    if stage == 3:
+    meta = [n for n, p in distributed if p.is_meta]
+    if meta:
         raise ConfigError(
-            "stage=3 with tensor parallelism (DTensor parameters) is not supported yet; "
-            "use stage 0, 1 or 2 with a 'tp' mesh"
-        )
-    if offload is not None:
-        raise ConfigError(
-            f"offload={offload!r} with tensor parallelism (DTensor parameters) is not "
-            "supported yet; train without offload, or without a 'tp' mesh"
+            f"parameter {meta[0]} is a DTensor on the meta device; tensor-parallel models "
+            "must be built with real weights before the Engine (materialise the model, "
+            "e.g. model.to_empty(device=...) and initialise it, then parallelize_module)"
         )
     for name, p in distributed:
         if p.device_mesh != tp.mesh:

@@ -38,7 +38,7 @@ the backend's class or URL scheme:
   issued concurrently.
 - ``reads_locally``: objects are files on this host, read through the page cache its
   processes share, so a range that several ranks read costs memory copies, not network
-  transfers or requests ([Note: whole replicas at load] in ``zerostate/checkpoint.py``).
+  transfers or requests ([Note: whole replicas at load] in ``zerostate/checkpoint/load.py``).
 """
 
 from __future__ import annotations

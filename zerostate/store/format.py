@@ -45,7 +45,7 @@ if sys.byteorder != "little":  # chunks are written straight from memory
 
 #: The version the writer writes; readers also read every version in READ_VERSIONS.
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+READ_VERSIONS = (1, 2, 3)
 META_DIR = "_zerostate"
 COMMIT_PATH = f"{META_DIR}/commit/zarr.json"
 MANIFEST_DIR = f"{META_DIR}/manifests"

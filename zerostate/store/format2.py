@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerostate import layout as layout_mod
 from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
+from zerostate.layout import MeshLayout
 from zerostate.store import format as fmt
+from zerostate.store import mesh as mesh_mod
 from zerostate.store import refs as refs_mod
 from zerostate.store.rows import GroupPlan, group_of, plan_groups, row_path
 
@@ -57,8 +60,12 @@ def tensor_entries(
     offsets = {slot.name: slot.offset for plan in plans.values() for slot in plan.slots}
     entries = {}
     for s in specs:
-        entry = fmt.spec_json(s.name, s.shape, s.dtype, s.layout, s.attrs or {})
+        mesh = getattr(s, "mesh", None)
+        shape = (s.layout.numel,) if mesh is not None else s.shape
+        entry = fmt.spec_json(s.name, shape, s.dtype, s.layout, s.attrs or {})
         entry.update(group=group_of(s.name), offset=offsets[s.name])
+        if mesh is not None:
+            entry["mesh"] = layout_mod.to_json(mesh)
         entries[s.name] = entry
     return entries, plans
 
@@ -114,12 +121,15 @@ class StepRecord:
     #: Tensors held by older steps: ``{name: (info as referenced, holder step)}``
     #: ([Note: tensor references] in ``refs.py``).
     refs: dict[str, tuple[fmt.TensorInfo, int]] = field(default_factory=dict)
+    #: Tensors stored as tp x dp pieces: their logical layouts ([Note: mesh tensors]).
+    meshes: dict[str, MeshLayout] = field(default_factory=dict)
+    format_version: int = VERSION
 
 
 def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRecord:
     """Validate a format-2 commit record read from storage; every name, number and offset
     is checked before use (rows against the plan lazily, see ``check_row``)."""
-    fmt.check_format_version(record, where, (VERSION,))
+    version = fmt.check_format_version(record, where, (VERSION, mesh_mod.VERSION))
     step = fmt._int(record.get("step"), f"{where}: step", 0, fmt.MAX_STEP)
     if step != expected_step:
         raise CorruptCheckpointError(
@@ -134,10 +144,21 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
     if not isinstance(manifests_json, list) or len(manifests_json) != world_size:
         raise CorruptCheckpointError(f"{where}: manifests must be a list of {world_size} entries")
     tensors: dict[str, RowTensorInfo] = {}
+    meshes: dict[str, MeshLayout] = {}
     for name, entry in tensors_json.items():
         fmt.validate_name(name)
         what = f"{where}: tensor {name!r}"
         tensors[name] = _parse_tensor(name, entry, world_size, what)
+        if isinstance(entry, dict) and "mesh" in entry:
+            if version < mesh_mod.VERSION:
+                raise CorruptCheckpointError(
+                    f"{what}: a mesh entry in a format-{version} step (mesh tensors need "
+                    f"format {mesh_mod.VERSION})"
+                )
+            meshes[name] = layout_mod.from_json(entry["mesh"], name)
+            mesh_mod.check_stored(meshes[name], tensors[name].layout, name)
+            if tuple(tensors[name].shape) != (tensors[name].layout.numel,):
+                raise CorruptCheckpointError(f"{what}: a mesh tensor's stored array is 1-D")
     refs = refs_mod.parse_refs(record.get("refs"), step, world_size, where, MAX_ROW_NBYTES)
     try:
         fmt.check_name_tree([*tensors, *refs])
@@ -189,7 +210,11 @@ def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRec
     for path, entry in files_json.items():
         fmt.validate_name(path, what="metadata path", allow_meta=True)
         files[path] = fmt._parse_chunk(entry, f"{where}: file {path!r}")
-    return StepRecord(world_size, attrs, tensors, plans, rows, manifests, files, refs)
+    if meshes and refs:
+        raise CorruptCheckpointError(f"{where}: a step with mesh tensors refers to no other step")
+    return StepRecord(
+        world_size, attrs, tensors, plans, rows, manifests, files, refs, meshes, version
+    )
 
 
 def check_row(plan: GroupPlan, rank: int, row: RowRecord | None, where: str) -> None:

@@ -24,9 +24,11 @@ import numpy as np
 import torch
 
 from zerostate.errors import ConfigError, CorruptCheckpointError
-from zerostate.partition import chunk_reads
+from zerostate.layout import MeshLayout
+from zerostate.partition import chunk_reads, even_layout
 from zerostate.store import format as fmt
 from zerostate.store import format2
+from zerostate.store import mesh as mesh_mod
 from zerostate.store import refs as refs_mod
 from zerostate.store.base import RangeReader
 from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
@@ -50,6 +52,8 @@ MIN_BLOCK_CHUNKS = 4
 #: Whether a local stream reads through a gap no longer than the run before it
 #: ([Note: filled gaps]).
 FILL_GAPS = True
+#: Marks a read of a mesh tensor's stored array in ``_read_stored``'s requests.
+_STORED = object()
 
 
 class StepReaderV2(StepBase):
@@ -83,6 +87,14 @@ class StepReaderV2(StepBase):
             tensors[name] = held
             self._held_by[name] = holder
         self._holders = dict(holders or {})
+        # Mesh tensors show their logical tensor; reads go through their stored arrays
+        # ([Note: mesh tensors] in store/mesh.py).
+        self._meshes = {name: (mesh, tensors[name]) for name, mesh in record.meshes.items()}
+        for name, (mesh, stored) in self._meshes.items():
+            tensors[name] = fmt.TensorInfo(
+                name, mesh.shape, stored.dtype, even_layout(mesh.numel, 1), stored.attrs
+            )
+        self.format_version = record.format_version
         super().__init__(step, record.world_size, record.attrs, tensors, num_threads)
         self._storage, self._dir, self._files = storage, directory, record.files
         self._plans, self._rows, self._manifests = record.plans, record.rows, record.manifests
@@ -131,6 +143,10 @@ class StepReaderV2(StepBase):
         info = self.info(name)
         if not 0 <= element < info.numel:
             raise ConfigError(f"{name}: element {element} outside [0, {info.numel})")
+        if name in self._meshes:  # the element's place in the stored array
+            mesh, info = self._meshes[name]
+            (read,) = mesh_mod.piece_reads(mesh, info.layout.chunk_numel, element, element + 1)
+            element = read.start + read.copies[0][1]
         plan = self._plans[info.group]  # type: ignore[index]
         chunk = element // info.layout.chunk_numel
         rank = info.layout.chunk_owner(chunk)
@@ -170,16 +186,54 @@ class StepReaderV2(StepBase):
         every inner chunk they need is read once, adjacent chunks of a row in one request,
         whichever tensors they serve. A loader reads all its ranges this way."""
         requests = list(requests)
+        if self._meshes and any(r[0] in self._meshes for r in requests):
+            return self._read_many_meshes(requests)
         if self._held_by and any(r[0] in self._held_by for r in requests):
             return self._read_many_with_refs(requests)
         return self._read_stored(requests)
+
+    def mesh_layout(self, name: str) -> MeshLayout | None:
+        """The tp x dp layout ``name`` was stored in (None: a plain format-2 tensor)."""
+        entry = self._meshes.get(name)
+        return entry[0] if entry is not None else None
+
+    def _read_many_meshes(self, requests: list[tuple]) -> list[torch.Tensor]:
+        """Logical reads of mesh tensors become reads of their stored arrays' pieces, one per
+        piece and request, cut into place afterwards; other requests are read as usual."""
+        outs: list[Any] = [None] * len(requests)
+        plain: list[int] = []
+        stored: list[tuple] = []
+        scatter: list[tuple[torch.Tensor, tuple]] = []
+        for i, (name, start, stop, out) in enumerate(requests):
+            if name not in self._meshes:
+                plain.append(i)
+                continue
+            mesh, info = self._meshes[name]
+            start, stop, out = self._check_range(self.tensors[name], start, stop, out)
+            outs[i] = out
+            for read in mesh_mod.piece_reads(mesh, info.layout.chunk_numel, start, stop):
+                stored.append((_STORED, name, read.start, read.stop))
+                scatter.append((out, read.copies))
+        for i, got in zip(plain, self.read_many([requests[i] for i in plain]), strict=True):
+            outs[i] = got
+        got = self._read_stored(stored)
+        with torch.no_grad():
+            for data, (out, copies) in zip(got, scatter, strict=True):
+                for at, src, n in copies:
+                    out[at : at + n].copy_(data[src : src + n])
+        return outs
 
     def _read_stored(self, requests: list[tuple]) -> list[torch.Tensor]:
         """:meth:`read_many` of tensors this step's own rows hold."""
         outs: list[torch.Tensor] = []
         pieces: dict[tuple[str, int], list[_Piece]] = {}
-        for name, start, stop, out in requests:
-            info = self.info(name)
+        for request in requests:
+            if request[0] is _STORED:  # a mesh tensor's stored array ([Note: mesh tensors])
+                _, name, start, stop = request
+                info, out = self._meshes[name][1], None
+            else:
+                name, start, stop, out = request
+                info = self.info(name)
             if out is None:
                 self._probe(info, start, stop)
             start, stop, out = self._check_range(info, start, stop, out)
@@ -612,7 +666,7 @@ class StepReaderV2(StepBase):
         raw = self._storage.read(f"{self._dir}/{path}")
         where = f"manifest of rank {rank} in {self.url}"
         manifest = fmt.parse_document(raw, "zerostate_manifest", where)
-        fmt.check_format_version(manifest, where, (format2.VERSION,))
+        fmt.check_format_version(manifest, where, (self.format_version,))
         if (manifest.get("step"), manifest.get("rank")) != (self.step, rank):
             raise CorruptCheckpointError(f"{where} names another step or rank")
         state = manifest.get("rank_state")

@@ -26,7 +26,9 @@ from typing import Any
 import torch
 
 from zerostate.errors import ConfigError
+from zerostate.layout import MeshLayout
 from zerostate.partition import even_layout, plan_layouts
+from zerostate.store import mesh as mesh_mod
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.rows import LazyShard
 from zerostate.store.sources import open_source
@@ -59,6 +61,8 @@ def reshard(
     dst_storage_options: dict | None = None,
     force: bool = False,
     progress: ProgressFn | None = None,
+    tp: int = 1,
+    default_min_shard_numel: int | None = None,
 ) -> ReshardResult:
     """Write step ``step`` (default: latest committed) of ``src`` to ``dst`` for
     ``world_size`` ranks. ``src`` is a checkpoint root (path or URL) or an opened
@@ -67,9 +71,20 @@ def reshard(
     ``{}`` for none), so S3 <-> local works with one set of options.
 
     Refuses a step already committed in ``dst`` unless ``force`` (which deletes it first).
+
+    ``tp`` > 1 writes the step for a tensor-parallel job of ``tp`` x ``world_size`` ranks
+    (format 3, [Note: mesh tensors] in ``store/mesh.py``): each tensor the source stores
+    in tensor-parallel pieces keeps its shard dim and fused sub-tensors at the new degree,
+    the others are replicated across tp; both partitioned over ``world_size`` data-parallel
+    ranks. So does ``tp`` 1 from such a source (the shard dims stay recorded, so a later
+    reshard can split them again); from a source without them it writes format 2.
+    ``default_min_shard_numel`` is ``min_shard_numel`` for format 2 when that is None (a
+    tp x dp step is split evenly unless ``min_shard_numel`` is given, as a job saves it).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
     dst_is_url = "://" in os.fspath(dst) and not os.fspath(dst).startswith("file://")
     if dst_storage_options is None and dst_is_url:
         dst_storage_options = storage_options  # a local destination takes no options
@@ -98,6 +113,10 @@ def reshard(
 
     infos = list(st.tensors.values())
     numels = [int(i.numel) for i in infos]
+    if tp > 1 or any(_source_tp_dim(st, i.name) is not None for i in infos):
+        return _reshard_mesh(st, target, infos, world_size, tp, min_shard_numel, progress)
+    if min_shard_numel is None:
+        min_shard_numel = default_min_shard_numel
     if min_shard_numel is None:
         layouts = [even_layout(n, world_size) for n in numels]
     else:
@@ -166,3 +185,112 @@ def _updated_attrs(attrs: dict, src_world_size: int, world_size: int, step: int)
                     holder[key] = world_size
     out["resharded_from"] = {"world_size": int(src_world_size), "step": int(step)}
     return out
+
+
+def _source_tp_dim(st: Any, name: str) -> int | None:
+    mesh = st.mesh_layout(name) if hasattr(st, "mesh_layout") else None
+    return None if mesh is None else mesh.tp_dim
+
+
+def _target_mesh(st: Any, info: Any, dp: int, tp: int, msn: int | None) -> MeshLayout:
+    """The layout of ``info`` in a tp x dp step: the source's shard dim and fused
+    sub-tensors at degree ``tp``, or replicated across tp when the source has none."""
+    shape = tuple(info.shape)
+    if _source_tp_dim(st, info.name) is None:
+        return MeshLayout(shape=shape, dp_shard=dp, min_shard_numel=msn)
+    source = st.mesh_layout(info.name)
+    return MeshLayout(
+        shape=shape,
+        tp_dim=source.tp_dim,
+        tp_degree=tp,
+        fused_sizes=source.fused_sizes,
+        dp_shard=dp,
+        min_shard_numel=msn,
+    )
+
+
+def _reshard_mesh(
+    st: Any,
+    target: Any,
+    infos: list,
+    dp: int,
+    tp: int,
+    min_shard_numel: int | None,
+    progress: ProgressFn | None,
+) -> ReshardResult:
+    """:func:`reshard` to a tp x dp step: rank ``t * dp + d`` writes piece ``(t, d)``."""
+    world = tp * dp
+    meshes = [_target_mesh(st, info, dp, tp, min_shard_numel) for info in infos]
+    if not any(m.tp_dim is not None for m in meshes):
+        raise ConfigError(
+            f"step {st.step} of {st.url} records no tensor-parallel layout (no tensor was "
+            "saved in tensor-parallel pieces), so it cannot say which dim to split; "
+            "reshard it with tp 1, or save it from a tensor-parallel job"
+        )
+    specs = [
+        TensorSpec(
+            i.name,
+            tuple(i.shape),
+            i.dtype,
+            mesh_mod.stored_layout(m, world, i.name),
+            dict(i.attrs or {}),
+            mesh=m,
+        )  # fmt: skip
+        for i, m in zip(infos, meshes, strict=True)
+    ]
+    attrs = _updated_attrs(st.attrs, st.world_size, world, st.step)
+    attrs["resharded_from"]["tp"] = tp
+    total = sum(int(i.nbytes) for i in infos)
+    done = 0
+
+    def advance(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    for rank in [*range(1, world), 0]:
+        writer = target.writer(
+            st.step, rank=rank, world_size=world, specs=specs, attrs=attrs, progress=advance
+        )
+        piece = divmod(rank, dp)
+        shards = {}
+        for info, mesh, spec in zip(infos, meshes, specs, strict=True):
+            if piece[0] < mesh.num_tp_pieces and spec.layout.numel:
+                chunk = spec.layout.chunk_numel
+                read = _PieceSource(st, info, mesh.segments(piece), chunk)
+                shards[info.name] = LazyShard(chunk, info.dtype, read)
+        writer.write(shards)
+        writer.commit(wait=rank == 0)
+    if progress is not None and not total:
+        progress(0, 0)
+    return ReshardResult(st.step, int(st.world_size), world, len(infos), total)
+
+
+class _PieceSource:
+    """Bytes of one target piece (padded to its row's chunk), assembled from the source's
+    logical ranges of the piece's segments, a block of up to ``BLOCK_NBYTES`` at a time."""
+
+    def __init__(self, st: Any, info: Any, segments: list, chunk: int) -> None:
+        self.st, self.info, self.segments, self.chunk = st, info, segments, chunk
+        self.block_lo, self.block = 0, memoryview(b"")
+
+    def __call__(self, offset: int, nbytes: int) -> memoryview:
+        item = self.info.dtype.itemsize
+        end = offset + nbytes
+        if not (self.block_lo <= offset and end <= self.block_lo + self.block.nbytes):
+            first = offset // item
+            stop = min(self.chunk, max(-(-end // item), first + BLOCK_NBYTES // item))
+            self.block_lo, self.block = first * item, self._fill(first, stop)
+        return self.block[offset - self.block_lo : end - self.block_lo]
+
+    def _fill(self, first: int, stop: int) -> memoryview:
+        out = torch.zeros(stop - first, dtype=self.info.dtype)
+        requests = []
+        for g, n, p in self.segments:  # in piece order
+            a, b = max(p, first), min(p + n, stop)
+            if a < b:
+                requests.append((self.info.name, g + a - p, g + b - p, out[a - first : b - first]))
+        if requests:
+            self.st.read_many(requests)
+        return memoryview(out.view(torch.uint8).numpy())

@@ -174,7 +174,7 @@ class CheckpointRoot:
                 f"{self.steps()[-10:]})"
             ) from None
         record = fmt.parse_document(raw, "zerostate_commit", where)
-        if fmt.check_format_version(record, where) == 2:
+        if fmt.check_format_version(record, where) in (2, 3):  # 3: [Note: mesh tensors]
             from zerostate.store import format2
             from zerostate.store.reader_v2 import StepReaderV2
 

@@ -36,10 +36,13 @@ from zerostate.errors import (
     ConfigError,
     CorruptCheckpointError,
     DistributedMismatchError,
+    LayoutError,
 )
+from zerostate.layout import MeshLayout
 from zerostate.partition import TensorLayout
 from zerostate.store import format as fmt
 from zerostate.store import format2
+from zerostate.store import mesh as mesh_mod
 from zerostate.store.format import ChunkRecord
 from zerostate.store.refs import TensorRef
 from zerostate.store.rows import LazyShard, Source, row_parts, row_path
@@ -59,6 +62,10 @@ class TensorSpec:
     dtype: torch.dtype
     layout: TensorLayout
     attrs: dict | None = None
+    mesh: MeshLayout | None = None
+    """Set: the tensor is written as its tp x dp pieces ([Note: mesh tensors] in
+    ``store/mesh.py``); ``shape`` is the logical shape and ``layout`` the stored array's
+    (:func:`zerostate.store.mesh.stored_layout`), and the step is format 3."""
 
     def __post_init__(self) -> None:
         fmt.validate_name(self.name)
@@ -78,7 +85,14 @@ class TensorSpec:
             raise ConfigError(
                 f"{self.name}: layout must be a TensorLayout (see zerostate.partition.plan_layouts)"
             )
-        if self.layout.numel != math.prod(shape):
+        if self.mesh is not None:
+            if not isinstance(self.mesh, MeshLayout) or tuple(self.mesh.shape) != shape:
+                raise ConfigError(f"{self.name}: mesh must be a MeshLayout of shape {shape}")
+            try:
+                mesh_mod.check_stored(self.mesh, self.layout, self.name)
+            except LayoutError as exc:
+                raise ConfigError(str(exc)) from None
+        elif self.layout.numel != math.prod(shape):
             raise ConfigError(
                 f"{self.name}: layout covers {self.layout.numel} elements but "
                 f"shape {shape} has {math.prod(shape)}"
@@ -153,6 +167,10 @@ class StepWriter:
         fmt.check_name_tree([s.name for s in specs] + list(self._refs_json))
         self._specs = {s.name: s for s in specs}
         self._tensors_json, self._plans = format2.tensor_entries(specs, world_size)
+        meshes = any(s.mesh is not None for s in specs)
+        if meshes and refs:
+            raise ConfigError("a step with mesh tensors cannot refer to tensors of other steps")
+        self._version = mesh_mod.VERSION if meshes else format2.VERSION
         digested = self._tensors_json
         if self._refs_json:  # steps without references keep the digest they always had
             digested = {"tensors": self._tensors_json, "refs": self._refs_json}
@@ -238,7 +256,7 @@ class StepWriter:
             return {}
         docs = {
             "zarr.json": fmt.group_document(
-                {"zerostate": {"format_version": format2.VERSION, "step": self.step}}
+                {"zerostate": {"format_version": self._version, "step": self.step}}
             )
         }
         for group in [fmt.META_DIR, fmt.MANIFEST_DIR, *fmt.group_paths(list(self._plans))]:
@@ -317,7 +335,7 @@ class StepWriter:
         if self._manifest_written or self._pending_docs or set(self._rows) != set(self._waiting):
             return
         manifest = {
-            "format_version": format2.VERSION,
+            "format_version": self._version,
             "kind": "manifest",
             "step": self.step,
             "rank": self.rank,
@@ -412,7 +430,7 @@ class StepWriter:
         manifest = fmt.parse_document(raw, "zerostate_manifest", where)
         if manifest.get("save_id") != self._save_id and self._save_id is not None:
             return None  # left behind by an earlier attempt; the rank will overwrite it
-        fmt.check_format_version(manifest, where, (format2.VERSION,))
+        fmt.check_format_version(manifest, where, (self._version,))
         if (manifest.get("step"), manifest.get("rank"), manifest.get("world_size")) != (
             self.step,
             r,
@@ -465,7 +483,7 @@ class StepWriter:
                 "every rank must pass the same specs"
             )
         record = {
-            "format_version": format2.VERSION,
+            "format_version": self._version,
             "kind": "commit",
             "step": self.step,
             "world_size": self.world_size,

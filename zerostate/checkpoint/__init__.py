@@ -1,0 +1,220 @@
+"""Engine checkpoints: collective save (blocking or async) and load at any world size.
+
+The engine exposes its state as :class:`~zerostate.engine.ShardView` objects (one per
+logical tensor: fp32 master weights, Adam moments, buffers); this module moves them to and
+from the store. It owns no training state and calls no collective except one all-reduce
+and one barrier per save and one barrier per load, on the engine's process group, through
+:mod:`zerostate.collectives`.
+
+[Note: async save]
+``save(..., blocking=False)`` splits a save in two. On the caller's thread it copies this
+rank's owned ranges into host buffers that are reused from save to save (pinned, and
+copied on a side CUDA stream, when the state lives on a GPU) and returns a
+:class:`SaveHandle`. A single background thread then writes the chunks, waits for the
+commit (coordinated through storage, see the store's commit protocol) and applies
+retention. At most one save is in flight: a new save, a load, ``handle.wait()`` and
+``engine.close()`` wait for it first and re-raise its error. A checkpointer that is
+garbage-collected or still open at interpreter exit waits for its save in a finaliser and
+prints a failure on stderr (it cannot raise there, and it must not end a process that
+other code is still running in), so a failed background save is never silent.
+
+[Note: failing together]
+A save or load is collective, and one rank's failure must not leave the others waiting
+for a commit record or inside a collective until a timeout. So every phase that can fail
+on one rank ends in one small all-gather of an error flag (``Coordinator.agree``, in
+zerostate.coordinator): preparing a save
+(rank 0's checks of the target, each rank's previous async save), writing (blocking saves),
+committing, and reading a load. After it, either every rank goes on or every rank raises:
+the failing rank its own error, the others a CheckpointError naming the failed rank(s).
+Background (async) writes cannot use collectives: a rank whose part fails leaves an abort
+note in the step's storage, which the others' commit polling sees at once (if the failing
+storage refuses the note too, they give up at the commit timeout); each rank's error
+surfaces at its next save, load, ``handle.wait()`` or ``close()``.
+
+On a GPU the deferred copy runs on a side stream created on the state's device, inside the
+background thread (a fresh thread's current device is 0, which is not every local rank's).
+
+The package: :class:`Checkpointer` (here) is the engine's facade; ``save.py`` and ``load.py``
+hold one session per call, ``async_save.py`` the snapshot fence, background writer and
+:class:`SaveHandle`, ``state.py`` the JSON state, RNG and model config, ``foreign.py`` the
+fitting of a peer's step (DeepSpeed, DCP) to the loading engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle, Snapshots
+from zerostate.checkpoint.foreign import fit_foreign_step, open_any_step, regroup
+from zerostate.checkpoint.load import LoadSession
+from zerostate.checkpoint.save import RootMemory, SaveSession
+from zerostate.checkpoint.state import (
+    check_stateful,
+    digest,
+    json_checked,
+    left_behind,
+    saved_rng,
+    transformers_config,
+)
+from zerostate.coordinator import Coordinator
+from zerostate.errors import CheckpointError
+
+__all__ = [
+    "DEFAULT_COMMIT_TIMEOUT_S",
+    "CheckpointError",
+    "Checkpointer",
+    "SaveHandle",
+    "fit_foreign_step",
+    "open_any_step",
+    "regroup",
+    "transformers_config",
+]
+
+# The names this module had before it became a package.
+_Piece = Piece
+_digest = digest
+_check_stateful = check_stateful
+_json_checked = json_checked
+_transformers_config = transformers_config
+_left_behind = left_behind
+_saved_rng = saved_rng
+_open_any_step = open_any_step
+_fit_foreign_step = fit_foreign_step
+_regroup = regroup
+
+#: Default seconds a rank waits for the others while committing a step.
+DEFAULT_COMMIT_TIMEOUT_S = 600.0
+
+
+class Checkpointer:
+    """Saves and loads one engine's state. Created by the engine; use ``engine.save``.
+
+    A thin facade: each call runs a :class:`~zerostate.checkpoint.save.SaveSession` or a
+    :class:`~zerostate.checkpoint.load.LoadSession` over what lives as long as the engine
+    (the background writer, the snapshot buffers and fence, the roots it used)."""
+
+    def __init__(self, engine: Any, *, timeout_s: float | None = None) -> None:
+        self.engine = engine
+        if timeout_s is None:
+            # The environment may shorten it (tests, schedulers with tight preemption).
+            env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
+            timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
+        self.timeout_s = timeout_s
+        self.coordinator = Coordinator.of(
+            engine, error_cls=CheckpointError, note=" and nothing was committed"
+        )
+        self.saves = BackgroundSaves(self)
+        self.snapshots = Snapshots()
+        self.roots = RootMemory()
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds the training thread waited in :meth:`before_update` for async snapshots."""
+        return self.snapshots.stall_s
+
+    def _snapshot(
+        self, pieces: list[Piece], blocking: bool
+    ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
+        return self.snapshots.take(pieces, blocking, self.engine.module)
+
+    def before_update(self) -> None:
+        """Called before anything changes master weights or optimizer states: waits until
+        an async save's snapshot has finished reading them ([Note: async save])."""
+        self.snapshots.before_update()
+
+    def settle(self) -> None:
+        """Wait for the save in flight (re-raising its error) and for its snapshot: what a
+        load runs first, inside its agreement."""
+        self.wait()
+        self.before_update()
+
+    def save(
+        self,
+        path: str,
+        *,
+        step: int | None = None,
+        blocking: bool = True,
+        client_state: Any = None,
+        keep_last: int | None = None,
+        storage_options: dict | None = None,
+        progress: Callable[[int], None] | None = None,
+        stateful: dict | None = None,
+        allow_older_step: bool = False,
+    ) -> SaveHandle:
+        start = time.perf_counter()
+        self._check_open()
+        session = SaveSession(
+            self.engine,
+            path,
+            coordinator=self.coordinator,
+            roots=self.roots,
+            saves=self.saves,
+            snapshot=self._snapshot,
+            timeout_s=self.timeout_s,
+            step=step,
+            blocking=blocking,
+            client_state=client_state,
+            keep_last=keep_last,
+            storage_options=storage_options,
+            progress=progress,
+            stateful=stateful,
+            allow_older_step=allow_older_step,
+        )
+        return session.run(start)
+
+    def load(
+        self,
+        path: str,
+        *,
+        step: int | None = None,
+        storage_options: dict | None = None,
+        strict: bool = True,
+        stateful: dict | None = None,
+        strict_state: bool = False,
+    ) -> Any:
+        self._check_open()
+        session = LoadSession(
+            self.engine,
+            path,
+            coordinator=self.coordinator,
+            roots=self.roots,
+            settle=self.settle,
+            step=step,
+            storage_options=storage_options,
+            strict=strict,
+            stateful=stateful,
+            strict_state=strict_state,
+        )
+        return session.run()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any) and re-raise its error."""
+        self.saves.wait()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(
+                "the engine was closed; save() and load() need an open engine (close() "
+                "is for the end of training)"
+            )
+
+    def close(self) -> None:
+        """Wait for the in-flight save, re-raise its error, stop the thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.saves.close()

@@ -1,0 +1,96 @@
+"""One object for the control traffic of a collective call: arrive, exchange, agree.
+
+A save, a load or ``load_pretrained`` is collective, and each of its phases that can fail
+on one rank must end with every rank knowing whether any rank failed ([Note: failing
+together] in zerostate.checkpoint). The calls that do it live in :mod:`zerostate.collectives`
+as free functions taking the process group, rank, world size and device every time; a
+:class:`Coordinator` binds them once, so the checkpoint sessions (and any other component)
+speak of the group in one line per phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerostate import collectives
+from zerostate.errors import ZerostateError
+
+
+@dataclass(frozen=True, slots=True)
+class Coordinator:
+    """The control collectives of one process group, from this rank's side."""
+
+    group: Any
+    """The process group (None: the default group, or no process group at all)."""
+    rank: int
+    world_size: int
+    device: torch.device
+    """Where the small control tensors live (the backend's device)."""
+    arrival_timeout_s: float
+    """Seconds :meth:`arrive` waits for the other ranks ([Note: arrival deadline])."""
+    error_cls: type[Exception] = ZerostateError
+    """What the ranks that succeeded raise when another rank failed."""
+    note: str = ""
+    """Appended to that error's message (what the failure means, e.g. nothing committed)."""
+
+    @classmethod
+    def of(cls, engine: Any, *, error_cls: type[Exception], note: str = "") -> Coordinator:
+        """The coordinator of ``engine``'s data-parallel process group."""
+        return cls(
+            group=engine.group,
+            rank=engine.rank,
+            world_size=engine.world_size,
+            device=engine.device,
+            arrival_timeout_s=engine.config.collective_timeout_s,
+            error_cls=error_cls,
+            note=note,
+        )
+
+    def arrive(self, what: str) -> None:
+        """Wait until every rank entered call ``what`` ([Note: arrival deadline] in
+        zerostate.collectives)."""
+        collectives.arrive(
+            what,
+            group=self.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout_s=self.arrival_timeout_s,
+        )
+
+    def barrier(self) -> None:
+        collectives.barrier(group=self.group)
+
+    def exchange(self, row: list[int]) -> list[list[int]]:
+        """Every rank's ``row`` of integers, in rank order (one all-gather)."""
+        return collectives.exchange(
+            row, group=self.group, world_size=self.world_size, device=self.device
+        )
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Every rank learns whether any rank failed ``what``: the failing rank re-raises
+        ``error``, the others raise :attr:`error_cls` naming the failed rank(s)."""
+        collectives.agree(
+            error,
+            what,
+            group=self.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            error_cls=self.error_cls,
+            note=self.note,
+        )
+
+    def raise_if_failed(self, error: BaseException | None, failed: list[bool], what: str) -> None:
+        """:meth:`agree` for a verdict that already travelled in an :meth:`exchange`
+        (``failed``: one flag per rank)."""
+        if error is not None:
+            raise error
+        ranks = [r for r, bad in enumerate(failed) if bad]
+        if ranks:
+            raise self.error_cls(
+                f"{what} failed on rank(s) {ranks} (see the error rank {ranks[0]} raised); "
+                f"rank {self.rank}'s part succeeded{self.note}"
+            )
