@@ -36,8 +36,8 @@ if [ "${ZEROSTATE_GPU_OFFLOAD:-1}" != 0 ]; then
 fi
 # Mesh (ZeRO inside a device mesh, benchmarks/mesh.py): tp 2 x dp_shard 4 on one node of 8
 # GPUs over NCCL, a 1B-parameter Llama parallelized with torch's parallelize_module, bf16:
-# step time and peak memory of zerostate (stage 2, and with activation_checkpointing=
-# "partitioned") next to FSDP2 + TP built the torchtitan way (with and without activation
+# step time and peak memory of zerostate (stage 2, with activation_checkpointing=
+# "partitioned", stage 3) next to FSDP2 + TP built the torchtitan way (with and without activation
 # checkpointing). Runs when the node has ZEROSTATE_GPU_MESH_NPROC (default 8) GPUs;
 # ZEROSTATE_GPU_MESH=0 skips it. Its own JSON and time limit.
 MESH_NPROC="${ZEROSTATE_GPU_MESH_NPROC:-8}"

@@ -14,7 +14,8 @@ torchtitan's Llama plan does for the blocks) and trains a few steps on random to
 * ``fsdp2_tp_ac``: the same with every layer in torch's ``checkpoint_wrapper`` (torchtitan's
   full activation checkpointing);
 * ``zerostate``: ``Engine(model, mesh=mesh, stage=S, precision=...)`` (reduce in fp32);
-* ``zerostate_pa``: the same with ``activation_checkpointing="partitioned"`` (ZeRO-R Pa).
+* ``zerostate_pa``: the same with ``activation_checkpointing="partitioned"`` (ZeRO-R Pa);
+* ``zerostate_stage3``: ``stage=3``, FSDP2's partitioning.
 
 Per contender: median step time over the timed steps (the slowest rank's), peak device
 memory (``torch.cuda.max_memory_allocated``, the largest rank's; RSS is not meaningful on
@@ -40,7 +41,7 @@ PRESETS = {
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
 COLWISE += ("mlp.up_proj",)
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-CONTENDERS = ("fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa")
+CONTENDERS = ("fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa", "zerostate_stage3")
 
 
 def build(preset: dict, device: Any, tp_mesh: Any) -> Any:
@@ -139,7 +140,8 @@ def measure(name: str, args: argparse.Namespace, mesh: Any, device: Any) -> dict
         step, owner = run_fsdp2(model, mesh, dtype, ac=name.endswith("_ac"))
     else:
         ac = "partitioned" if name.endswith("_pa") else None
-        step, owner = run_zerostate(model, mesh, args.precision, args.stage, ac)
+        stage = 3 if name.endswith("_stage3") else args.stage
+        step, owner = run_zerostate(model, mesh, args.precision, stage, ac)
     times, loss = [], None
     for i, x in enumerate(data):
         if cuda:

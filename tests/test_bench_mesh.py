@@ -30,7 +30,7 @@ def test_mesh_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["mesh"] == {"dp_shard": 2, "tp": 2}
     rows = result["rows"]
-    assert set(rows) == {"fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa"}
+    assert set(rows) == {"fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa", "zerostate_stage3"}
     for name, row in rows.items():
         assert "error" not in row, (name, row)
         assert row["step_s"] > 0 and row["peak_device_bytes"] is None, (name, row)
