@@ -34,4 +34,21 @@ if [ "${ZEROSTATE_GPU_OFFLOAD:-1}" != 0 ]; then
         --threads "$OMP_NUM_THREADS" --out "${RESULT%.json}-offload-host.json" || rc=$((rc ? rc : 2))
     echo "gpu.sh: offload results in $OFFLOAD_RESULT"
 fi
+# Mesh (ZeRO inside a device mesh, benchmarks/mesh.py): tp 2 x dp_shard 4 on one node of 8
+# GPUs over NCCL, a 1B-parameter Llama parallelized with torch's parallelize_module, bf16:
+# step time and peak memory of zerostate (stage 2, with activation_checkpointing=
+# "partitioned", stage 3) next to FSDP2 + TP built the torchtitan way (with and without activation
+# checkpointing). Runs when the node has ZEROSTATE_GPU_MESH_NPROC (default 8) GPUs;
+# ZEROSTATE_GPU_MESH=0 skips it. Its own JSON and time limit.
+MESH_NPROC="${ZEROSTATE_GPU_MESH_NPROC:-8}"
+NUM_GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+if [ "${ZEROSTATE_GPU_MESH:-1}" != 0 ] && [ "$NUM_GPUS" -ge "$MESH_NPROC" ]; then
+    MESH_RESULT="${RESULT%.json}-mesh.json"
+    timeout --signal=INT --kill-after=20 600 "$PY" -m torch.distributed.run \
+        --standalone --nproc-per-node "$MESH_NPROC" -m benchmarks.mesh --tp 2 --stage 2 \
+        --out "$MESH_RESULT" || rc=$((rc ? rc : 2))
+    echo "gpu.sh: mesh results in $MESH_RESULT"
+else
+    echo "gpu.sh: mesh section skipped ($NUM_GPUS GPU(s), it needs $MESH_NPROC)"
+fi
 exit $rc

@@ -102,6 +102,20 @@ def select_blocks(model: nn.Module, which: Any = None) -> list[tuple[str, nn.Mod
     return chosen
 
 
+def check_blocks(model: nn.Module, which: Any = None) -> list[tuple[str, nn.Module]]:
+    """:func:`select_blocks`, refusing a block whose ``forward`` is already an instance
+    attribute (another wrapper's): local, so the engine runs it before any collective."""
+    chosen = select_blocks(model, which)
+    for name, module in chosen:
+        if "forward" in module.__dict__:
+            raise ConfigError(
+                f"module {name} already has a forward of its own (an instance attribute, "
+                "set by another wrapper or another engine); activation checkpointing wraps "
+                "forward, so leave that module out with checkpoint_modules="
+            )
+    return chosen
+
+
 def check_which(which: Any) -> None:
     """Refuse a ``checkpoint_modules`` value of the wrong kind (local, no model needed)."""
     if which is None or isinstance(which, type) or callable(which):
@@ -452,13 +466,7 @@ def apply(
     )
     blocks = []
     warned: list = []
-    for name, module in select_blocks(model, which):
-        if "forward" in module.__dict__:
-            raise ConfigError(
-                f"module {name} already has a forward of its own (an instance attribute, "
-                "set by another wrapper); activation checkpointing wraps forward, so leave "
-                "that module out with checkpoint_modules="
-            )
+    for name, module in check_blocks(model, which):
         block = _Block(name, module, mode, part, warned)
         module.forward = _checkpointed(block)
         blocks.append(block)

@@ -191,7 +191,7 @@ class EngineConfig:
     ``torch.utils.checkpoint``; ``"partitioned"`` (ZeRO-R Pa) keeps each block's input as a
     1/TP slice on each rank of the mesh's ``"tp"`` dimension, all-gathered before the
     recompute (without ``"tp"`` it is ``"full"``); ``"partitioned_cpu"`` (Pa+cpu) keeps that
-    slice in host memory. None (default) checkpoints nothing. Stages 0-2."""
+    slice in host memory. None (default) checkpoints nothing."""
     checkpoint_modules: Any = None
     """Which modules ``activation_checkpointing`` checkpoints: a module class, a list of
     classes, or a predicate ``fn(name, module) -> bool`` (a module inside a chosen one is
@@ -379,12 +379,6 @@ def _check_activation(config: EngineConfig) -> None:
             f"activation_checkpointing={mode!r} is not a mode; use 'full' (recompute blocks, "
             "keep their inputs), 'partitioned' (keep a 1/TP slice of each input), "
             "'partitioned_cpu' (that slice in host memory) or None"
-        )
-    if mode is not None and config.stage == 3:
-        raise ConfigError(
-            f"activation_checkpointing={mode!r} with stage=3 is not supported yet (the "
-            "recompute would run outside the stage-3 gathers); use stage 0, 1 or 2, or "
-            "activation_checkpointing=None"
         )
     check_which(config.checkpoint_modules)
     if config.checkpoint_modules is not None and mode is None:

@@ -257,7 +257,7 @@ class Engine:
                 _check_not_wrapped(model)
                 _validate_model(model, config, self._mesh.tp if self._mesh else None)
                 if config.activation_checkpointing is not None:
-                    activation.select_blocks(model, config.checkpoint_modules)
+                    activation.check_blocks(model, config.checkpoint_modules)
                 if self._mesh is not None:
                     tp.check_optimizer(whole_matrix_names(optimizer), self._mesh.tp)
             except ZerostateError as exc:

@@ -1,5 +1,5 @@
 """``zerostate estimate --tp --dp-replicate``: the model-state bytes per rank it reports are
-those a real engine holds (``memory_stats()``) at (dp_shard 2 x tp 2), stages 0-2, with a
+those a real engine holds (``memory_stats()``) at (dp_shard 2 x tp 2), stages 0-3, with a
 transformers Llama parallelized by torch's ``parallelize_module``."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from zerostate.estimate import estimate, mesh_shape
 
 pytest.importorskip("transformers")
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
 COLWISE += ("mlp.up_proj",)
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
