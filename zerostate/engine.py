@@ -68,7 +68,7 @@ from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
 from zerostate.runtime import mesh as meshes
-from zerostate.runtime import tp, tp_plan
+from zerostate.runtime import tp, tp_checkpoint, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
@@ -355,6 +355,13 @@ class Engine:
                 model, config.activation_checkpointing, config.checkpoint_modules,
                 tp=self._tp, device=device,
             )  # fmt: skip
+        #: Who saves a checkpoint together under tensor parallelism ([Note: tensor-parallel
+        #: checkpoints] in zerostate.runtime.tp_checkpoint); None without a tp dimension.
+        self.checkpoint_world = None
+        if self._tp is not None:
+            self.checkpoint_world = tp_checkpoint.checkpoint_world(
+                config.mesh, self._tp.rank, self._tp.size, self.rank, self.world_size
+            )
         self._progress = ProgressLog(config.log_every)
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
@@ -636,6 +643,8 @@ class Engine:
             views.append(
                 ShardView(f"buffers/{name}", tuple(buf.shape), buf.dtype, layout, buf.view(-1), 0)
             )
+        if self.checkpoint_world is not None:  # tp x dp pieces of global tensors
+            return tp_checkpoint.mesh_views(views, self._params, self.checkpoint_world)
         return views
 
     def engine_state(self) -> dict:
@@ -717,14 +726,15 @@ class Engine:
         ``planned_keys`` (see :class:`~zerostate.optim.OptimizerLoad`), in the same order."""
         needed: dict[str, tuple[int, ...]] = {}
         for sp in self._params:
-            needed[f"model/{sp.name}"] = tuple(sp.shape)
+            shape = tp_checkpoint.global_shape(sp.param)  # a DTensor's global shape
+            needed[f"model/{sp.name}"] = shape
             if not sp.trainable:
                 continue
             keys = planned_keys[sp.name]
             if keys is None:
                 keys = [k for k, _ in self._optimizer.state_tensors(sp)]
             for key in keys:
-                needed[f"optim/{key}/{sp.name}"] = tuple(sp.shape)
+                needed[f"optim/{key}/{sp.name}"] = shape
         for name, buf in self._named_buffers():
             needed[f"buffers/{name}"] = tuple(buf.shape)
         return needed
@@ -803,9 +813,6 @@ class Engine:
         saves there anyway.
         """
 
-        if self._tp is not None:
-            raise tp.refuse("save()")
-
         def save() -> Any:
             return self._ckpt().save(
                 path,
@@ -852,8 +859,6 @@ class Engine:
         Saved state it does not restore (a ``stateful`` object not passed, RNG states at
         another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
         self._check_open("load()")
-        if self._tp is not None:
-            raise tp.refuse("load()")
         self._settle_host_copies()
         state = self._ckpt().load(
             path,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerostate.layout import MeshLayout
 from zerostate.partition import TensorLayout
 
 
@@ -35,6 +36,15 @@ class ShardView:
     layout: TensorLayout
     local: torch.Tensor
     local_start: int
+    mesh: MeshLayout | None = None
+    """Under tensor parallelism: the tensor's tp x dp layout; ``shape`` is then the global
+    shape, ``layout`` the data-parallel split of tp shard ``tp_index`` and ``local`` /
+    ``local_start`` a range of that shard, flattened ([Note: tensor-parallel checkpoints] in
+    zerostate.runtime.tp_checkpoint)."""
+    tp_index: int = 0
+    piece: tuple[int, int] | None = None
+    """The ``(tp index, dp rank)`` piece this rank writes (None: another tp rank writes
+    this replicated tensor's pieces)."""
 
 
 class ShardedParam:

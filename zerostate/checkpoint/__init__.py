@@ -105,9 +105,20 @@ class Checkpointer:
             env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
             timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
         self.timeout_s = timeout_s
-        self.coordinator = Coordinator.of(
-            engine, error_cls=CheckpointError, note=" and nothing was committed"
-        )
+        note = " and nothing was committed"
+        world = engine.checkpoint_world  # under tensor parallelism: tp x dp_shard ranks
+        if world is None:
+            self.coordinator = Coordinator.of(engine, error_cls=CheckpointError, note=note)
+        else:  # [Note: tensor-parallel checkpoints] in zerostate.runtime.tp_checkpoint
+            self.coordinator = Coordinator(
+                group=world.group,
+                rank=world.rank,
+                world_size=world.world_size,
+                device=engine.device,
+                arrival_timeout_s=engine.config.collective_timeout_s,
+                error_cls=CheckpointError,
+                note=note,
+            )
         self.saves = BackgroundSaves(self)
         self.snapshots = Snapshots()
         self.roots = RootMemory()
@@ -115,11 +126,13 @@ class Checkpointer:
 
     @property
     def rank(self) -> int:
-        return self.engine.rank
+        """This rank's rank in the steps it writes."""
+        return self.coordinator.rank
 
     @property
     def world_size(self) -> int:
-        return self.engine.world_size
+        """The world size of the steps it writes."""
+        return self.coordinator.world_size
 
     @property
     def stall_s(self) -> float:

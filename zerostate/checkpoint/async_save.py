@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zerostate import collectives
 from zerostate.store import TensorSpec
 
 
@@ -159,7 +160,7 @@ class Snapshots:
         # the step holds the values as of save(), whatever the caller does next.
         visible = {
             p.untyped_storage().data_ptr()
-            for p in module.parameters()
+            for p in map(_local, module.parameters())
             if p.untyped_storage().nbytes()
         }
         for piece in pieces:
@@ -215,3 +216,8 @@ class Snapshots:
             t0 = time.perf_counter()
             self._ready.wait()
             self.stall_s += time.perf_counter() - t0
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's own storage (a DTensor's local tensor under tensor parallelism)."""
+    return collectives.dtensor_local(param) if collectives.is_dtensor(param) else param

@@ -20,6 +20,7 @@ from zerostate.checkpoint.save import RootMemory
 from zerostate.checkpoint.state import check_stateful, left_behind, restore_rng, saved_rank_state
 from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError
+from zerostate.runtime.tp_checkpoint import read_requests
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,14 @@ class LoadSession:
         for view in views:
             info, local, start = st.tensors.get(view.name), view.local, view.local_start
             if info is None:
+                continue
+            if view.mesh is not None:  # [Note: tensor-parallel checkpoints]
+                direct = local.device.type == "cpu" and local.is_contiguous()
+                for request in read_requests(view):
+                    direct_here = direct and local.dtype == info.dtype
+                    out = request[3]
+                    requests.append(request if direct_here else (*request[:3], None))
+                    targets.append(None if direct_here else out)
                 continue
             if view.name in whole:
                 local, start = whole[view.name], 0

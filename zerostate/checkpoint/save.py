@@ -30,7 +30,9 @@ from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError, ZerostateError
 from zerostate.frozen import RANK_STATE_KEY as FROZEN_KEY
 from zerostate.frozen import adapter_attrs, plan_frozen
+from zerostate.runtime.tp_checkpoint import saved_piece
 from zerostate.store import StepExistsError, TensorSpec
+from zerostate.store.mesh import stored_layout
 from zerostate.store.root import CheckpointRoot
 
 log = logging.getLogger(__name__)
@@ -63,10 +65,19 @@ class RootMemory:
             pass
 
 
-def owned_pieces(views: list[Any], rank: int) -> list[Piece]:
-    """This rank's owned slice of every view (empty where it owns nothing)."""
+def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
+    """This rank's owned slice of every view (empty where it owns nothing); a view with a
+    tp x dp layout gives its padded piece ([Note: tensor-parallel checkpoints] in
+    zerostate.runtime.tp_checkpoint)."""
     pieces = []
     for view in views:
+        if view.mesh is not None:
+            layout = stored_layout(view.mesh, world_size, view.name)
+            spec = TensorSpec(view.name, tuple(view.shape), view.dtype, layout, mesh=view.mesh)
+            lo, hi = layout.owned_range(rank)
+            source = saved_piece(view, hi - lo) if view.piece is not None and hi > lo else None
+            pieces.append(Piece(spec, source if source is not None else view.local[:0]))
+            continue
         lo, hi = view.layout.owned_range(rank)
         start = lo - view.local_start
         if hi > lo and not (0 <= start and hi - view.local_start <= view.local.numel()):
@@ -155,7 +166,7 @@ class SaveSession:
     def pieces(self) -> list[Piece]:
         """This rank's owned slice of every view, computed once per save."""
         if self._pieces is None:
-            self._pieces = owned_pieces(self.views, self.rank)
+            self._pieces = owned_pieces(self.views, self.rank, self.world_size)
         return self._pieces
 
     def run(self, start: float) -> SaveHandle:

@@ -36,10 +36,11 @@ engine never re-implements tensor parallelism: DTensor's forward and backward do
   buffer as it arrives, as at stage 1.
 * ``full_state_dict()`` rebuilds each gathered local tensor into a DTensor and returns
   its ``full_tensor()`` (collective over ``tp``): global tensors under the model's names.
-* Not supported yet, refused before any collective: save/load (each
-  ``tp`` coordinate's ``dp_shard`` world would write the same checkpoint names), a
-  DTensor on another mesh than ``mesh["tp"]``, placements other than ``Shard(0)``,
-  ``Shard(1)`` and ``Replicate()``, DTensor parameters on the meta device.
+* ``save``/``load`` write and read global tensors in tp x dp pieces ([Note: tensor-parallel
+  checkpoints] in zerostate.runtime.tp_checkpoint).
+* Not supported yet, refused before any collective: ``load_pretrained``, a DTensor on
+  another mesh than ``mesh["tp"]``, placements other than ``Shard(0)``, ``Shard(1)`` and
+  ``Replicate()``, DTensor parameters on the meta device.
 """
 
 from __future__ import annotations
