@@ -251,12 +251,11 @@ def _errors_worker(rank: int, world_size: int) -> dict:
     rest = torch.optim.SGD([p for p in model.parameters() if p.ndim != 2], lr=0.01)
     attempt("muon", model, stage=1, optimizer=[muon, rest])
     engine = zerostate.Engine(_parallelize(_llama(), mesh["tp"]), mesh=mesh, stage=1)
-    for what, call in (("save", engine.save), ("load", engine.load)):
-        try:
-            call("/nonexistent/zerostate-tp")
-            out[what] = "accepted"
-        except ConfigError as exc:
-            out[what] = str(exc)
+    try:  # save/load work (test_mesh_tp_checkpoint); Hugging Face weights not yet
+        engine.load_pretrained("/nonexistent/zerostate-tp")
+        out["load_pretrained"] = "accepted"
+    except ConfigError as exc:
+        out["load_pretrained"] = str(exc)
     # fp16: an overflow on one rank skips the step on every rank of the mesh.
     engine = zerostate.Engine(
         _parallelize(_llama(), mesh["tp"]), mesh=mesh, stage=2, precision="fp16"
@@ -290,9 +289,8 @@ def test_unsupported_setups_fail_naming_the_fix_and_fp16_overflow_is_one_verdict
     assert "placement(s) ('shard(2)',)" in r["placement"], r
     assert "no parameter is a DTensor" in r["no_tp_dim"] or "no 'tp'" in r["no_tp_dim"], r
     assert "no parameter is a DTensor" in r["no_dtensor"], r
-    assert "save() with tensor parallelism" in r["save"], r
     assert "optimizer Muon needs whole matrices" in r["muon"], r
-    assert "load() with tensor parallelism" in r["load"], r
+    assert "load_pretrained() with tensor parallelism" in r["load_pretrained"], r
     # fp16 overflow on one tp rank of one dp_shard rank: skipped and rescaled everywhere;
     # the next finite step is taken everywhere.
     assert r["overflow_stepped"] is False and r["overflow_unchanged"], r
