@@ -389,9 +389,9 @@ class Engine:
     def _init_buffers(self) -> None:
         # Buffers are replicated; rank 0 checkpoints each one whole.
         for module in self.module.modules():
-            for n, b in module._buffers.items():
-                if b is not None and not b.is_meta and not b.is_contiguous():
-                    module._buffers[n] = b.contiguous()
+            for n, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                if not b.is_meta and not b.is_contiguous():
+                    setattr(module, n, b.contiguous())  # stays a buffer, same persistence
         state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
         self._buffer_names = [n for n, _ in state]
         self._non_persistent = adapt.non_persistent_buffers(self.module)
@@ -845,7 +845,19 @@ class Engine:
         if self._tp is not None:
             raise tp.refuse("load_pretrained()")
         self._settle_host_copies()
-        return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
+        return load_pretrained(
+            self,
+            path_or_url,
+            storage_options=storage_options,
+            strict=strict,
+            settle=self._settle_saves,
+            loaded=self._mark_set,
+        )
+
+    def _settle_saves(self) -> None:
+        """Wait for the async save in flight (re-raising its error) and its snapshot."""
+        if self._checkpointer is not None:
+            self._checkpointer.settle()
 
     def close(self, *, whole_model: bool = True) -> None:
         """End training: wait for an in-flight async save and re-raise its error, and hand
