@@ -202,6 +202,18 @@ def _reduced_hook(ref: weakref.ref) -> Any:
     return hook
 
 
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` (bound), holding its object weakly: a hook that outlives it does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
 class Engine:
     """ZeRO stage 0-3 data-parallel training of ``model`` with a partitioned optimizer.
 
@@ -347,6 +359,7 @@ class Engine:
         self._unset: set[str] = set(self._runtime.unset)
         self._optimizer = self._build_optimizer()
         link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
+        self._optimizer.fence_loads(_weak_call(self._before_update))  # [Note: one fence]
         _mark_wrapped(model, self)
         #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.activation).
         self._activation = None
@@ -426,9 +439,9 @@ class Engine:
     def _init_buffers(self) -> None:
         # Buffers are replicated; rank 0 checkpoints each one whole.
         for module in self.module.modules():
-            for n, b in module._buffers.items():
-                if b is not None and not b.is_meta and not b.is_contiguous():
-                    module._buffers[n] = b.contiguous()
+            for n, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+                if not b.is_meta and not b.is_contiguous():
+                    setattr(module, n, b.contiguous())  # stays a buffer, same persistence
         state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
         self._buffer_names = [n for n, _ in state]
         self._non_persistent = adapt.non_persistent_buffers(self.module)
@@ -578,7 +591,15 @@ class Engine:
 
     def _before_update(self) -> None:
         """The fence every writer of masters or optimizer state passes first: an async
-        save may still be reading them ([Note: async save] in zerostate.checkpoint)."""
+        save may still be reading them ([Note: async save] in zerostate.checkpoint).
+
+        [Note: one fence]
+        The writers: step(), load() and load_pretrained() (through the checkpointer's
+        settle()), gathered(writeback=True) (before it copies edits back), and
+        load_state_dict() of the engine's optimizer or of the user's linked one (a pre-hook
+        registered by ShardedOptimizer.fence_loads). torch's load_state_dict installs new
+        state tensors rather than writing into the ones a snapshot reads, but it waits all
+        the same: the contract is that no writer runs beside the snapshot."""
         if self._checkpointer is not None:
             self._checkpointer.before_update()
 
@@ -768,7 +789,7 @@ class Engine:
     def whole_replicas(self) -> dict[str, torch.Tensor]:
         """``{"model/<name>": whole flat working parameter}`` for the parameters a load may
         read whole from storage on every rank instead of gathering them from the loaded
-        masters ([Note: whole replicas at load] in zerostate.checkpoint)."""
+        masters ([Note: whole replicas at load] in zerostate.checkpoint.load)."""
         return {f"model/{n}": t for n, t in self._runtime.whole_replicas(self._params).items()}
 
     def refresh_from_masters(self, read_whole: Collection[str] = ()) -> None:
@@ -889,7 +910,19 @@ class Engine:
         if self._tp is not None:
             raise tp.refuse("load_pretrained()")
         self._settle_host_copies()
-        return load_pretrained(self, path_or_url, storage_options=storage_options, strict=strict)
+        return load_pretrained(
+            self,
+            path_or_url,
+            storage_options=storage_options,
+            strict=strict,
+            settle=self._settle_saves,
+            loaded=self._mark_set,
+        )
+
+    def _settle_saves(self) -> None:
+        """Wait for the async save in flight (re-raising its error) and its snapshot."""
+        if self._checkpointer is not None:
+            self._checkpointer.settle()
 
     def close(self, *, whole_model: bool = True) -> None:
         """End training: wait for an in-flight async save and re-raise its error, and hand

@@ -358,6 +358,13 @@ class ShardedOptimizer:
                     if not opt.state.get(shard):
                         opt.state[shard] = init(group, shard)
 
+    def fence_loads(self, fence: Callable[[], None]) -> None:
+        """Call ``fence`` before any ``load_state_dict`` of these torch optimizers writes
+        optimizer state: the engine's ``optimizer`` and the inner ones a user's linked
+        optimizer delegates to ([Note: one fence] in zerostate.engine)."""
+        for opt in {id(o): o for o in (self.optimizer, *self.inner)}.values():
+            opt.register_load_state_dict_pre_hook(lambda optimizer, state_dict: fence())
+
     def _state_of(self, sp: ShardedParam) -> dict:
         for opt in self.inner:
             if sp.master in opt.state:

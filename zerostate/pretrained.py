@@ -21,12 +21,15 @@ copy, whatever the model's size: the masters and buffers already exist.
 from __future__ import annotations
 
 import logging
+import math
 import os
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 import torch
 
-from zerostate import adapt, collectives
+from zerostate import adapt
+from zerostate.coordinator import Coordinator
 from zerostate.errors import DistributedMismatchError, PretrainedMismatchError, ZerostateError
 from zerostate.safetensors_io import SafetensorsSource, TensorEntry
 
@@ -91,13 +94,15 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
             return None
         return entry
 
-    for sp in engine._params:
-        entry = match([sp.name, *aliases.get(sp.name, [])], tuple(sp.shape))
+    for view in engine.state_views():
+        if not view.name.startswith("model/"):
+            continue
+        # The master covers the whole tensor at stage 0, the owned range otherwise.
+        name, master, start = view.name.removeprefix("model/"), view.local, view.local_start
+        entry = match([name, *aliases.get(name, [])], tuple(view.shape))
         if entry is not None:
-            # The master covers the whole tensor at stage 0, the owned range otherwise.
-            start = getattr(sp, "master_start", 0 if engine.stage == 0 else sp.start)
-            assert start + sp.master.numel() <= sp.numel, (sp.name, start)
-            targets.append(_Target(sp.name, entry, sp.master, start))
+            assert start + master.numel() <= math.prod(view.shape), (name, start)
+            targets.append(_Target(name, entry, master, start))
     for name, buf, persistent in adapt.buffers_with_persistence(engine.module):
         if not persistent:
             continue
@@ -110,16 +115,9 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
 
 def _agree(engine: Any, error: BaseException | None, what: str) -> None:
     """All ranks raise when any rank failed: the failing rank its own error, the others
-    a pointer to it (``collectives.agree``)."""
-    collectives.agree(
-        error,
-        f"load_pretrained ({what})",
-        group=engine.group,
-        rank=engine.rank,
-        world_size=engine.world_size,
-        device=engine.device,
-        error_cls=DistributedMismatchError,
-    )
+    a pointer to it (:meth:`~zerostate.coordinator.Coordinator.agree`)."""
+    coordinator = Coordinator.of(engine, error_cls=DistributedMismatchError)
+    coordinator.agree(error, f"load_pretrained ({what})")
 
 
 def load_pretrained(
@@ -127,21 +125,26 @@ def load_pretrained(
     path_or_url: str | os.PathLike,
     storage_options: dict | None = None,
     strict: bool = True,
+    *,
+    settle: Callable[[], None] = lambda: None,
+    loaded: Callable[[Collection[str]], None] = lambda names: None,
 ) -> PretrainedReport:
     """Load Hugging Face safetensors weights into ``engine``; collective. See the module
-    docstring. ``strict=False`` loads what matches and returns (and logs) the rest."""
+    docstring. ``strict=False`` loads what matches and returns (and logs) the rest.
+
+    ``settle`` is called first, inside the first agreement: it waits for the engine's
+    async save in flight and its snapshot (an async save may still be reading the masters)
+    and re-raises the save's error. ``loaded`` is told the names of the parameters and
+    buffers that were written."""
     error: BaseException | None = None
     targets: list[_Target] = []
     report = PretrainedReport([], [], [])
     source: SafetensorsSource | None = None
-    checkpointer = getattr(engine, "_checkpointer", None)
     try:
-        if checkpointer is not None:
-            # Inside the agreement ([Note: failing together] in zerostate.checkpoint): a
-            # background save that failed on one rank fails every rank here, instead of
-            # leaving the others in the agreement below until a process-group timeout.
-            checkpointer.wait()
-            checkpointer.before_update()  # an async save may still be reading the masters
+        # Inside the agreement ([Note: failing together] in zerostate.checkpoint): a
+        # background save that failed on one rank fails every rank here, instead of
+        # leaving the others in the agreement below until a process-group timeout.
+        settle()
         source = SafetensorsSource(path_or_url, storage_options)
         targets, report = _plan(engine, source.entries())
         if strict and (report.missing or report.unexpected or report.mismatched):
@@ -162,7 +165,7 @@ def load_pretrained(
         error = exc
     _agree(engine, error, "reading tensor data")
     engine.refresh_from_masters()
-    engine._mark_set([t.name for t in targets])
+    loaded([t.name for t in targets])
     if engine.rank == 0 and (report.missing or report.unexpected or report.mismatched):
         log.warning("load_pretrained(%s, strict=False): %s", path_or_url, report.describe())
     return report

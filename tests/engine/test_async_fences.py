@@ -1,7 +1,7 @@
 """Async saves and what happens around them: a failed save does not make a root this
 run's own, ``load_pretrained`` fails on every rank at once when one rank's background
-save failed, and ``gathered(writeback=True)`` waits for the save's snapshot as ``step()``
-does."""
+save failed, and ``gathered(writeback=True)`` and an optimizer's ``load_state_dict`` wait
+for the save's snapshot as ``step()`` does."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from concurrent.futures import Future
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers_dist import run_distributed
@@ -159,3 +160,77 @@ def test_gathered_writeback_waits_for_the_async_snapshot(tmp_path) -> None:
     for r in run_distributed(_writeback_during_async_save, 2, str(tmp_path / "ckpt"), timeout=120):
         assert r["deferred"] and r["edited"], r
         assert r["saved_as_of_save"], r
+
+
+def _optimizer_load_during_async_save(rank: int, world_size: int, root: str, user: bool) -> dict:
+    import copy
+
+    torch.set_num_threads(1)
+    model = _net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2) if user else None
+    # Stage 3: neither masters nor moments are the module's own storage, so the snapshot
+    # of both is deferred to the background thread.
+    settings = {"optimizer": optimizer} if user else {"lr": 1e-2}
+    engine = zerostate.Engine(model, stage=3, **settings)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    target = optimizer if user else engine.optimizer  # the user's object, or the engine's
+    edited = copy.deepcopy(target.state_dict())
+    for state in edited["state"].values():
+        state["exp_avg"].add_(1.0)
+    names = {f"optim/exp_avg/{n}" for n, _ in model.named_parameters()}
+
+    def owned() -> dict[str, torch.Tensor]:
+        out = {}
+        for view in engine.state_views():
+            if view.name in names:
+                lo, hi = view.layout.owned_range(rank)
+                start = lo - view.local_start
+                out[view.name] = view.local.reshape(-1)[start : start + hi - lo]
+        return out
+
+    before = {n: t.clone() for n, t in owned().items()}
+    deferred, copied_at = [], []
+
+    def slowed(copy_fn):
+        deferred.append(copy_fn is not None)
+        if copy_fn is None:
+            return None
+
+        def later() -> None:
+            time.sleep(1.0)
+            copy_fn()
+            copied_at.append(time.monotonic())
+
+        return later
+
+    _with_copy(engine, slowed)
+    handle = engine.save(root, blocking=False)
+    target.load_state_dict(edited)
+    loaded_at = time.monotonic()
+    handle.wait()
+    after = owned()
+    st = open_checkpoint(root).step()
+    saved = {}
+    for view in engine.state_views():
+        if view.name in names:
+            lo, hi = view.layout.owned_range(rank)
+            saved[view.name] = st.read(view.name).reshape(-1)[lo:hi]
+    return {
+        "deferred": deferred == [True],
+        # The load waited for the snapshot (as step() does), not just left it intact.
+        "waited": len(copied_at) == 1 and loaded_at >= copied_at[0],
+        "loaded": all(torch.equal(after[n], before[n] + 1.0) for n in names),
+        "saved_as_of_save": all(torch.equal(saved[n], before[n]) for n in names),
+    }
+
+
+@pytest.mark.parametrize("user", [False, True], ids=["engine.optimizer", "user optimizer"])
+def test_optimizer_load_state_dict_waits_for_the_async_snapshot(tmp_path, user) -> None:
+    results = run_distributed(
+        _optimizer_load_during_async_save, 2, str(tmp_path / "ckpt"), user, timeout=120
+    )
+    for r in results:
+        assert r["deferred"] and r["loaded"], r
+        assert r["waited"] and r["saved_as_of_save"], r
