@@ -53,7 +53,7 @@ def test_plans_that_cannot_apply_are_refused_naming_the_fix(plan, message) -> No
 
 
 def test_auto_needs_a_model_with_a_plan() -> None:
-    with pytest.raises(ConfigError, match="has none"):
+    with pytest.raises(ConfigError, match="holds none"):
         tp_plan.resolve(torch.nn.Sequential(torch.nn.Linear(4, 4)), "auto")
 
 

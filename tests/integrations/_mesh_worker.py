@@ -1,11 +1,12 @@
 """One rank of a Trainer run on a (dp_shard 2 x tp 2) mesh under torchrun (4 gloo ranks):
 ``python -m torch.distributed.run --nproc_per_node=4 _mesh_worker.py {hf|lightning} OUT``.
 
-The user's flow: initialise the process group, build the mesh, parallelize a transformers
-Llama with torch's ``parallelize_module`` (q/k/v/gate/up colwise, o/down rowwise), hand the
-mesh to the integration. Rank 0 then trains the same Llama on one process with plain SGD
-on the global batches the data-parallel ranks trained on and writes the largest weight
-difference to ``OUT`` (``result.json``), with whether the tp peers saw the same batches."""
+The user's flow: initialise the process group, build the mesh, hand it to the integration
+with ``tp_plan="auto"``: the engine applies torch's ``parallelize_module`` from the Llama's
+own ``base_model_tp_plan`` (q/k/v/gate/up colwise, o/down rowwise). Rank 0 then trains the
+same Llama on one process with plain SGD on the global batches the data-parallel ranks
+trained on and writes the largest weight difference to ``OUT`` (``result.json``), with
+whether the tp peers saw the same batches."""
 
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ import torch
 import torch.distributed as dist
 
 VOCAB, SEQ, ROWS, PER_DEVICE, STEPS, LR = 256, 8, 12, 2, 3, 0.05
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
-COLWISE += ("mlp.up_proj",)
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def llama():
@@ -35,18 +33,15 @@ def llama():
     return LlamaForCausalLM(cfg)
 
 
-def parallelize(model, tp_mesh):
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+TP_APPLIED: list[bool] = []
 
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-    return parallelize_module(model, tp_mesh, plan)
+
+def _is_tp(module) -> bool:
+    """Whether the plan was applied: every q_proj weight is a DTensor split over tp."""
+    from torch.distributed.tensor import DTensor
+
+    q = [p for n, p in module.named_parameters() if n.endswith("self_attn.q_proj.weight")]
+    return bool(q) and all(isinstance(p, DTensor) for p in q)
 
 
 def row(i: int) -> torch.Tensor:
@@ -94,9 +89,12 @@ def train_hf(mesh, out: str) -> dict[str, torch.Tensor]:
         max_grad_norm=0.0, save_strategy="no", report_to=[], use_cpu=True,
         disable_tqdm=True, logging_steps=1,
     )  # fmt: skip
-    model = parallelize(llama(), mesh["tp"])
-    trainer = Recording(model=model, args=args, train_dataset=Rows(), mesh=mesh, stage=2)
+    model = llama()  # the engine parallelizes it from the model's own plan
+    trainer = Recording(
+        model=model, args=args, train_dataset=Rows(), mesh=mesh, stage=2, tp_plan="auto"
+    )
     trainer.train()
+    TP_APPLIED.append(_is_tp(trainer.engine.module))
     return trainer.engine.full_state_dict()
 
 
@@ -108,7 +106,7 @@ def train_lightning(mesh, out: str) -> dict[str, torch.Tensor]:
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = parallelize(llama(), mesh["tp"])
+            self.model = llama()  # tp_plan="auto" finds it inside the LightningModule
 
         def training_step(self, batch, batch_idx):
             SEEN.append(batch["input_ids"].clone())
@@ -118,13 +116,14 @@ def train_lightning(mesh, out: str) -> dict[str, torch.Tensor]:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     loader = torch.utils.data.DataLoader(Rows(), batch_size=PER_DEVICE, shuffle=False)
-    strategy = ZeroStateStrategy(stage=2, mesh=mesh)
+    strategy = ZeroStateStrategy(stage=2, mesh=mesh, tp_plan="auto")
     trainer = pl.Trainer(
         accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=f"{out}/run",
     )  # fmt: skip
     trainer.fit(Module(), loader)
+    TP_APPLIED.append(_is_tp(strategy.engine.module))
     state = strategy.engine.full_state_dict()
     return {n.removeprefix("model."): t for n, t in state.items()}
 
@@ -153,6 +152,7 @@ def main() -> None:
                     "missing": missing,
                     "moved": moved,
                     "steps": [len(s) for s in seen],
+                    "tp_applied": TP_APPLIED == [True],
                     # tp peers (ranks 0-1, 2-3) trained on the same batches; dp ranks not.
                     "tp_peers_same": all(
                         torch.equal(a, b)

@@ -1,9 +1,10 @@
-"""The Lightning strategy and the HF Trainer pass ``mesh=`` through to the engine: a
-transformers Llama parallelized by the user with torch's ``parallelize_module`` (TP on
-q/k/v/o/gate/up/down) trains on 4 gloo ranks at (dp_shard 2 x tp 2) under torchrun,
-stage 2, SGD, and its weights after 3 steps equal single-process SGD on the global batch
-whose batches the data-parallel ranks trained on (the tp ranks of each data-parallel
-coordinate saw the same batches, the two coordinates different ones)."""
+"""The Lightning strategy and the HF Trainer pass ``mesh=`` and ``tp_plan="auto"`` through to
+the engine: a transformers Llama, parallelized by the engine from its own
+``base_model_tp_plan`` (TP on q/k/v/o/gate/up/down), trains on 4 gloo ranks at
+(dp_shard 2 x tp 2) under torchrun, stage 2, SGD, and its weights after 3 steps equal
+single-process SGD on the global batches the data-parallel ranks trained on (the tp ranks
+of each data-parallel coordinate saw the same batches, the two coordinates different
+ones)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def test_trainer_with_a_tp_mesh_matches_single_process_sgd(which: str, tmp_path:
           f"(relative to the tensor's largest value); training moved weights by up to "
           f"{result['moved']:.2e}")  # fmt: skip
     assert result["missing"] == [] and result["steps"] == [3, 3, 3, 3], result
+    assert result["tp_applied"], result  # the model's own plan was applied
     assert result["tp_peers_same"] and result["dp_ranks_differ"], result
     assert result["moved"] > 1e-3  # the comparison is not between untrained models
     assert result["worst"] <= 1e-5, result

@@ -109,14 +109,23 @@ def check_spec(tp_plan: Any, mesh_names: tuple[str, ...] | None) -> None:
 
 
 def _auto_plan(model: nn.Module) -> dict[str, Any]:
-    config = getattr(model, "config", None)
-    base_plan = getattr(config, "base_model_tp_plan", None)
-    if not base_plan:
+    """The plan of the outermost transformers model in ``model`` (the model itself, or the
+    one a LightningModule or another wrapper holds), under its base model's path."""
+    owner = next(
+        (
+            m
+            for m in model.modules()
+            if getattr(getattr(m, "config", None), "base_model_tp_plan", None)
+        ),
+        None,
+    )
+    if owner is None:
         raise ConfigError(
             f"tp_plan='auto' takes a transformers model's config.base_model_tp_plan, and "
-            f"{type(model).__name__} has none; pass tp_plan={{pattern: style}}"
+            f"{type(model).__name__} holds none; pass tp_plan={{pattern: style}}"
         )
-    base = getattr(model, "base_model", model)
+    base_plan = owner.config.base_model_tp_plan
+    base = getattr(owner, "base_model", owner)
     prefix = next((n for n, m in model.named_modules() if m is base), "")
     return {f"{prefix}.{k}" if prefix else k: v for k, v in base_plan.items()}
 
