@@ -1,4 +1,4 @@
-"""Gloo workers kept alive across tests, one pool per (world size, process-group timeout).
+"""Gloo workers kept alive across tests, one pool per world size.
 
 A multi-rank test used to pay for its processes: spawn, import torch (often transformers
 or DeepSpeed too), build a gloo group, then run a second of work. A pool starts its
@@ -24,7 +24,9 @@ leak fails the test that left it, names the leak, and replaces the pool's worker
 The same check runs before each call too, so state that appears between calls (a
 thread started late) fails the next call, naming the call before it. A worker that
 fails, crashes or overruns its time bound is killed with the rest of its pool; the next
-call starts fresh workers.
+call starts fresh workers. Each call sets the default group's and its store's timeout to
+its own, as a fresh process would have them, so calls with different time bounds share
+one pool instead of each starting its own.
 """
 
 from __future__ import annotations
@@ -337,6 +339,16 @@ class _Baseline:
         return found
 
 
+def _set_timeouts(seconds: float) -> None:
+    """The default group's collective timeout and its store's, as ``init_process_group``
+    with ``timeout=seconds`` sets them."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=seconds)
+    c10d._set_pg_timeout(timeout)
+    c10d._get_default_store().set_timeout(timeout)
+
+
 def _worker_main(
     rank: int, world_size: int, port: int, pg_timeout_s: float, sys_path: list[str], conn
 ) -> None:
@@ -360,7 +372,7 @@ def _worker_main(
         msg = conn.recv()
         if msg is None:
             break
-        test, call_path, payload = msg
+        test, call_path, call_pg_timeout_s, payload = msg
         # Between calls only threads (and what they do) can change anything.
         leaks = baseline.leaks(wait_threads=False, full=False)
         if leaks:
@@ -369,6 +381,7 @@ def _worker_main(
         baseline.restore_settings(call_path)
         previous = test
         try:
+            _set_timeouts(call_pg_timeout_s)
             fn, args, kwargs = pickle.loads(payload)
             conn.send(("ok", rank, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
         except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
@@ -445,7 +458,9 @@ class _Pool:
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return got
 
-    def call(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    def call(
+        self, fn: Callable, args: tuple, kwargs: dict, timeout: float, pg_timeout_s: float
+    ) -> list[Any]:
         test = str(_current["test"])
         if not self.ready:  # start-up is not the call's time: it is paid once
             start_by = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
@@ -454,7 +469,7 @@ class _Pool:
         deadline = time.monotonic() + timeout
         payload = pickle.dumps((fn, args, kwargs))
         for conn in self.conns:
-            conn.send((test, list(sys.path), payload))
+            conn.send((test, list(sys.path), pg_timeout_s, payload))
         what = f"{getattr(fn, '__name__', fn)} on {self.world_size} pooled ranks ({test})"
         try:
             done = self._collect(deadline, what)  # the call's outcome, as soon as it is in
@@ -498,13 +513,14 @@ class _Pool:
             conn.close()
 
 
-_pools: dict[tuple[int, float], _Pool] = {}
+_pools: dict[int, _Pool] = {}
 _lock = threading.Lock()
 
 
 def pool_for(world_size: int, pg_timeout_s: float) -> _Pool:
-    """The live pool for this key (moved to most recently used), started if needed."""
-    key = (world_size, pg_timeout_s)
+    """The live pool of this world size (moved to most recently used), started if needed
+    (its group's first timeout: ``pg_timeout_s``; each call sets its own)."""
+    key = world_size
     pool = _pools.pop(key, None)
     if pool is None:
         while _pools and sum(p.world_size for p in _pools.values()) + world_size > (
@@ -516,8 +532,8 @@ def pool_for(world_size: int, pg_timeout_s: float) -> _Pool:
     return pool
 
 
-def discard(world_size: int, pg_timeout_s: float) -> None:
-    pool = _pools.pop((world_size, pg_timeout_s), None)
+def discard(world_size: int) -> None:
+    pool = _pools.pop(world_size, None)
     if pool is not None:
         pool.close()
 
@@ -530,12 +546,12 @@ def run_pooled(
         pool = pool_for(world_size, pg_timeout_s)
         clean = False
         try:
-            results = pool.call(fn, args, kwargs, timeout)
+            results = pool.call(fn, args, kwargs, timeout, pg_timeout_s)
             clean = True
             return results
         finally:
             if not clean:
-                discard(world_size, pg_timeout_s)
+                discard(world_size)
 
 
 def shutdown() -> None:

@@ -89,6 +89,15 @@ def _settings(rank: int, world: int) -> dict:
     }
 
 
+def _timeouts(rank: int, world: int) -> tuple[float, float]:
+    """The default group's collective timeout and its store's, in seconds."""
+    from torch.distributed import distributed_c10d as c10d
+
+    backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+    store = c10d._get_default_store()
+    return backend.options._timeout.total_seconds(), store.timeout.total_seconds()
+
+
 def _fail_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
@@ -145,6 +154,17 @@ def test_a_leak_fails_loudly_naming_it_and_the_workers_are_replaced(
     assert run_distributed(_pid, 2) == after  # and those are clean: kept
 
 
+def test_calls_with_other_time_bounds_share_the_workers_with_their_own_timeout() -> None:
+    # A fresh process gets init_process_group(timeout=max(30, timeout / 2)).
+    fresh = run_distributed(_timeouts, 2, timeout=300, pooled=False)
+    assert fresh == [(150.0, 150.0)] * 2
+    before = run_distributed(_pid, 2, timeout=120)
+    assert run_distributed(_timeouts, 2, timeout=300) == fresh
+    assert run_distributed(_timeouts, 2, timeout=120) == [(60.0, 60.0)] * 2
+    assert run_distributed(_timeouts, 2, timeout=20) == [(30.0, 30.0)] * 2
+    assert run_distributed(_pid, 2, timeout=900) == before
+
+
 def test_settings_a_call_changes_are_put_back() -> None:
     fresh = run_distributed(_settings, 2, pooled=False)
     before = run_distributed(_pid, 2)
@@ -174,7 +194,6 @@ def test_a_failing_rank_fails_the_call_and_the_pool_recovers() -> None:
 
 
 def test_a_crashed_rank_fails_the_call_within_its_bound_and_the_pool_recovers() -> None:
-    # One time bound throughout: pools are kept per (world size, group timeout).
     before = run_distributed(_pid, 2, timeout=60)
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"exited without a result: \{1: 3\}"):
