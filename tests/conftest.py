@@ -27,8 +27,9 @@ __all__ = ["S3Server", "s3_server"]
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
-        "fresh_processes: run_distributed starts new processes for this test instead of "
-        "pooled workers (interpreter exit, teardown, crashes, environment, forking)",
+        "fresh_processes: run_distributed spawns new interpreters for this test instead of "
+        "using pooled or forked workers (interpreter exit, teardown, crashes, environment, "
+        "forking)",
     )
 
 
@@ -55,7 +56,7 @@ def _pool_context(request):
     says whether it may use them."""
     fresh = request.node.get_closest_marker("fresh_processes") is not None
     checked = request.node.nodeid.split("::")[0] in POOLED_FILES
-    with dist_pool.test_context(request.node.nodeid, pooled=checked and not fresh):
+    with dist_pool.test_context(request.node.nodeid, pooled=checked and not fresh, spawn=fresh):
         yield
 
 

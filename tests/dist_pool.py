@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -47,6 +48,8 @@ import types
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -71,13 +74,15 @@ class LeakError(WorkerError):
 
 # ---------------------------------------------------------------------------- the test
 # The test that is running (set by tests/conftest.py), named in leak and timeout errors.
-_current = {"test": "<no test>", "pooled": True}
+_current = {"test": "<no test>", "pooled": True, "spawn": False}
 
 
 @contextlib.contextmanager
-def test_context(name: str, *, pooled: bool) -> Iterator[None]:
+def test_context(name: str, *, pooled: bool, spawn: bool = False) -> Iterator[None]:
+    """``pooled``: the test may use pooled workers; ``spawn``: its fresh processes must be
+    spawned, not forked from the fork server ([Note: forked workers])."""
     old = dict(_current)
-    _current.update(test=name, pooled=pooled)
+    _current.update(test=name, pooled=pooled, spawn=spawn)
     try:
         yield
     finally:
@@ -86,6 +91,139 @@ def test_context(name: str, *, pooled: bool) -> Iterator[None]:
 
 def pooling_allowed() -> bool:
     return bool(_current["pooled"]) and os.environ.get("ZEROSTATE_TEST_FRESH") != "1"
+
+
+# ------------------------------------------------------------------ starting processes
+# [Note: forked workers]: a spawned rank imports torch and zerostate before its first line
+# of work (4.4 CPU s measured on this machine; a 4-rank call pays 4 times that on 2 cores).
+# Workers are forked instead, from fork servers (multiprocessing's forkserver machinery)
+# that imported those once (torch, torch.distributed and every zerostate module but the
+# integrations) and start no threads, process groups or engines: a forked worker is a
+# new process with a clean copy of that import state. Rank r forks from server r, each
+# a spawned interpreter of its own, so the ranks of one call differ in Python's hash
+# seed as spawned ranks do (an iteration order that differs across ranks still shows);
+# torch's and numpy's RNGs are reseeded from the OS in each worker, as a new process
+# seeds them, and the worker's environment is the caller's (passed along and applied
+# first), with one OpenMP thread. What a fork cannot give is a new interpreter: import-
+# time reads of the environment, interpreter start-up and exit. Tests marked
+# ``fresh_processes`` and calls with ``pooled=False`` are spawned, as is everything
+# under ZEROSTATE_TEST_SPAWN=1.
+_servers: dict[int, forkserver.ForkServer] = {}
+
+
+def _preload_names() -> list[str]:
+    import zerostate
+
+    names = ["torch", "torch.distributed", "zerostate"]
+    for info in pkgutil.walk_packages(zerostate.__path__, "zerostate."):
+        if not info.name.startswith("zerostate.integrations"):
+            names.append(info.name)
+    return names
+
+
+def _server(index: int) -> forkserver.ForkServer:
+    server = _servers.get(index)
+    if server is None:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(_preload_names())
+        _servers[index] = server
+    return server
+
+
+class _ServerPopen(popen_forkserver.Popen):
+    """Python 3.11's ``popen_forkserver.Popen._launch``, asking the process's own fork
+    server rather than the module-wide one."""
+
+    def _launch(self, process_obj: Any) -> None:
+        server = _server(process_obj.fork_server)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = server.connect_to_new_process(self._fds)
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _ServerProcess(mp_context.ForkServerProcess):
+    fork_server = 0
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _ServerPopen:
+        return _ServerPopen(process_obj)
+
+
+def start_context(*, spawn: bool) -> Any:
+    """The multiprocessing context for a call's queues and pipes: ``spawn`` or
+    ``forkserver``; :func:`new_process` makes its processes."""
+    if spawn or _current["spawn"] or os.environ.get("ZEROSTATE_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
+
+def new_process(ctx: Any, rank: int, target: Callable, args: tuple) -> Any:
+    """An unstarted daemon process for ``rank``: spawned, or forked from fork server
+    ``rank`` ([Note: forked workers]). Start it inside :func:`worker_environment`."""
+    if ctx.get_start_method() == "spawn":
+        return ctx.Process(target=target, args=args, daemon=True)
+    proc = _ServerProcess(target=target, args=args, daemon=True)
+    proc.fork_server = rank
+    return proc
+
+
+def stop_fork_servers() -> None:
+    """Ask each fork server to exit (closing its "alive" pipe), wait briefly, then kill:
+    a worker's stray descendant must not hold the session open."""
+    while _servers:
+        server = _servers.popitem()[1]
+        pid, alive = server._forkserver_pid, server._forkserver_alive_fd
+        if pid is None:
+            continue
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        end = time.monotonic() + 10.0
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > end:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def worker_environment() -> Iterator[dict[str, str]]:
+    """The environment a worker starts with (the caller's, ``OMP_NUM_THREADS=1``); the
+    fork server, when first started inside, inherits it too."""
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield dict(os.environ)
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+
+
+def enter_worker(sys_path: list[str], env: dict[str, str]) -> None:
+    """First thing in a worker: the caller's ``sys.path`` and environment, and, in a
+    forked one, RNGs of its own (Python's ``random`` reseeds itself after a fork)."""
+    sys.path[:] = sys_path
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 # ------------------------------------------------------------------- worker-side state
@@ -350,9 +488,15 @@ def _set_timeouts(seconds: float) -> None:
 
 
 def _worker_main(
-    rank: int, world_size: int, port: int, pg_timeout_s: float, sys_path: list[str], conn
+    rank: int,
+    world_size: int,
+    port: int,
+    pg_timeout_s: float,
+    sys_path: list[str],
+    env: dict[str, str],
+    conn,
 ) -> None:
-    sys.path[:] = sys_path
+    enter_worker(sys_path, env)
     import torch
     import torch.distributed as dist
 
@@ -401,29 +545,19 @@ class _Pool:
         from helpers_dist import free_port
 
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = start_context(spawn=False)
         port = free_port()
         self.conns: list[Connection] = []
         self.procs = []
-        env_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        with worker_environment() as env:
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(rank, world_size, port, pg_timeout_s, list(sys.path), child),
-                    daemon=True,
-                )
+                args = (rank, world_size, port, pg_timeout_s, list(sys.path), env, child)
+                proc = new_process(ctx, rank, _worker_main, args)
                 proc.start()
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(proc)
-        finally:
-            if env_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_threads
         self.ready = False
 
     @property
@@ -558,6 +692,7 @@ def shutdown() -> None:
     with _lock:
         while _pools:
             _pools.popitem()[1].close()
+        stop_fork_servers()
 
 
 atexit.register(shutdown)
