@@ -47,6 +47,7 @@ POOLED_FILES = {
     "tests/engine/test_conditional.py",
     "tests/engine/test_load_groups.py",
     "tests/engine/test_offload.py",
+    "tests/engine/test_habits.py",
 }
 
 
