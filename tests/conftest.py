@@ -52,6 +52,7 @@ POOLED_FILES = {
     "tests/engine/test_habits.py",
     "tests/engine/test_first_hour.py",
     "tests/engine/test_mesh.py",
+    "tests/foreign/test_deepspeed_bf16_continue.py",
 }
 
 
