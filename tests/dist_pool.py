@@ -1,4 +1,4 @@
-"""Gloo workers kept alive across tests, one pool per (world size, process-group timeout).
+"""Gloo workers kept alive across tests, one pool per world size.
 
 A multi-rank test used to pay for its processes: spawn, import torch (often transformers
 or DeepSpeed too), build a gloo group, then run a second of work. A pool starts its
@@ -24,7 +24,9 @@ leak fails the test that left it, names the leak, and replaces the pool's worker
 The same check runs before each call too, so state that appears between calls (a
 thread started late) fails the next call, naming the call before it. A worker that
 fails, crashes or overruns its time bound is killed with the rest of its pool; the next
-call starts fresh workers.
+call starts fresh workers. Each call sets the default group's and its store's timeout to
+its own, as a fresh process would have them, so calls with different time bounds share
+one pool instead of each starting its own.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -45,6 +48,8 @@ import types
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -69,13 +74,15 @@ class LeakError(WorkerError):
 
 # ---------------------------------------------------------------------------- the test
 # The test that is running (set by tests/conftest.py), named in leak and timeout errors.
-_current = {"test": "<no test>", "pooled": True}
+_current = {"test": "<no test>", "pooled": True, "spawn": False}
 
 
 @contextlib.contextmanager
-def test_context(name: str, *, pooled: bool) -> Iterator[None]:
+def test_context(name: str, *, pooled: bool, spawn: bool = False) -> Iterator[None]:
+    """``pooled``: the test may use pooled workers; ``spawn``: its fresh processes must be
+    spawned, not forked from the fork server ([Note: forked workers])."""
     old = dict(_current)
-    _current.update(test=name, pooled=pooled)
+    _current.update(test=name, pooled=pooled, spawn=spawn)
     try:
         yield
     finally:
@@ -84,6 +91,139 @@ def test_context(name: str, *, pooled: bool) -> Iterator[None]:
 
 def pooling_allowed() -> bool:
     return bool(_current["pooled"]) and os.environ.get("ZEROSTATE_TEST_FRESH") != "1"
+
+
+# ------------------------------------------------------------------ starting processes
+# [Note: forked workers]: a spawned rank imports torch and zerostate before its first line
+# of work (4.4 CPU s measured on this machine; a 4-rank call pays 4 times that on 2 cores).
+# Workers are forked instead, from fork servers (multiprocessing's forkserver machinery)
+# that imported those once (torch, torch.distributed and every zerostate module but the
+# integrations) and start no threads, process groups or engines: a forked worker is a
+# new process with a clean copy of that import state. Rank r forks from server r, each
+# a spawned interpreter of its own, so the ranks of one call differ in Python's hash
+# seed as spawned ranks do (an iteration order that differs across ranks still shows);
+# torch's and numpy's RNGs are reseeded from the OS in each worker, as a new process
+# seeds them, and the worker's environment is the caller's (passed along and applied
+# first), with one OpenMP thread. What a fork cannot give is a new interpreter: import-
+# time reads of the environment, interpreter start-up and exit. Tests marked
+# ``fresh_processes`` and calls with ``pooled=False`` are spawned, as is everything
+# under ZEROSTATE_TEST_SPAWN=1.
+_servers: dict[int, forkserver.ForkServer] = {}
+
+
+def _preload_names() -> list[str]:
+    import zerostate
+
+    names = ["torch", "torch.distributed", "zerostate"]
+    for info in pkgutil.walk_packages(zerostate.__path__, "zerostate."):
+        if not info.name.startswith("zerostate.integrations"):
+            names.append(info.name)
+    return names
+
+
+def _server(index: int) -> forkserver.ForkServer:
+    server = _servers.get(index)
+    if server is None:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(_preload_names())
+        _servers[index] = server
+    return server
+
+
+class _ServerPopen(popen_forkserver.Popen):
+    """Python 3.11's ``popen_forkserver.Popen._launch``, asking the process's own fork
+    server rather than the module-wide one."""
+
+    def _launch(self, process_obj: Any) -> None:
+        server = _server(process_obj.fork_server)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = server.connect_to_new_process(self._fds)
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _ServerProcess(mp_context.ForkServerProcess):
+    fork_server = 0
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _ServerPopen:
+        return _ServerPopen(process_obj)
+
+
+def start_context(*, spawn: bool) -> Any:
+    """The multiprocessing context for a call's queues and pipes: ``spawn`` or
+    ``forkserver``; :func:`new_process` makes its processes."""
+    if spawn or _current["spawn"] or os.environ.get("ZEROSTATE_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    return mp.get_context("forkserver")
+
+
+def new_process(ctx: Any, rank: int, target: Callable, args: tuple) -> Any:
+    """An unstarted daemon process for ``rank``: spawned, or forked from fork server
+    ``rank`` ([Note: forked workers]). Start it inside :func:`worker_environment`."""
+    if ctx.get_start_method() == "spawn":
+        return ctx.Process(target=target, args=args, daemon=True)
+    proc = _ServerProcess(target=target, args=args, daemon=True)
+    proc.fork_server = rank
+    return proc
+
+
+def stop_fork_servers() -> None:
+    """Ask each fork server to exit (closing its "alive" pipe), wait briefly, then kill:
+    a worker's stray descendant must not hold the session open."""
+    while _servers:
+        server = _servers.popitem()[1]
+        pid, alive = server._forkserver_pid, server._forkserver_alive_fd
+        if pid is None:
+            continue
+        with contextlib.suppress(OSError):
+            os.close(alive)
+        end = time.monotonic() + 10.0
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > end:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def worker_environment() -> Iterator[dict[str, str]]:
+    """The environment a worker starts with (the caller's, ``OMP_NUM_THREADS=1``); the
+    fork server, when first started inside, inherits it too."""
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield dict(os.environ)
+    finally:
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+
+
+def enter_worker(sys_path: list[str], env: dict[str, str]) -> None:
+    """First thing in a worker: the caller's ``sys.path`` and environment, and, in a
+    forked one, RNGs of its own (Python's ``random`` reseeds itself after a fork)."""
+    sys.path[:] = sys_path
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 # ------------------------------------------------------------------- worker-side state
@@ -337,10 +477,26 @@ class _Baseline:
         return found
 
 
+def _set_timeouts(seconds: float) -> None:
+    """The default group's collective timeout and its store's, as ``init_process_group``
+    with ``timeout=seconds`` sets them."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=seconds)
+    c10d._set_pg_timeout(timeout)
+    c10d._get_default_store().set_timeout(timeout)
+
+
 def _worker_main(
-    rank: int, world_size: int, port: int, pg_timeout_s: float, sys_path: list[str], conn
+    rank: int,
+    world_size: int,
+    port: int,
+    pg_timeout_s: float,
+    sys_path: list[str],
+    env: dict[str, str],
+    conn,
 ) -> None:
-    sys.path[:] = sys_path
+    enter_worker(sys_path, env)
     import torch
     import torch.distributed as dist
 
@@ -360,7 +516,7 @@ def _worker_main(
         msg = conn.recv()
         if msg is None:
             break
-        test, call_path, payload = msg
+        test, call_path, call_pg_timeout_s, payload = msg
         # Between calls only threads (and what they do) can change anything.
         leaks = baseline.leaks(wait_threads=False, full=False)
         if leaks:
@@ -369,6 +525,7 @@ def _worker_main(
         baseline.restore_settings(call_path)
         previous = test
         try:
+            _set_timeouts(call_pg_timeout_s)
             fn, args, kwargs = pickle.loads(payload)
             conn.send(("ok", rank, pickle.dumps(fn(rank, world_size, *args, **kwargs))))
         except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
@@ -388,29 +545,19 @@ class _Pool:
         from helpers_dist import free_port
 
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = start_context(spawn=False)
         port = free_port()
         self.conns: list[Connection] = []
         self.procs = []
-        env_threads = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        with worker_environment() as env:
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_worker_main,
-                    args=(rank, world_size, port, pg_timeout_s, list(sys.path), child),
-                    daemon=True,
-                )
+                args = (rank, world_size, port, pg_timeout_s, list(sys.path), env, child)
+                proc = new_process(ctx, rank, _worker_main, args)
                 proc.start()
                 child.close()
                 self.conns.append(parent)
                 self.procs.append(proc)
-        finally:
-            if env_threads is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_threads
         self.ready = False
 
     @property
@@ -445,7 +592,9 @@ class _Pool:
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         return got
 
-    def call(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    def call(
+        self, fn: Callable, args: tuple, kwargs: dict, timeout: float, pg_timeout_s: float
+    ) -> list[Any]:
         test = str(_current["test"])
         if not self.ready:  # start-up is not the call's time: it is paid once
             start_by = time.monotonic() + max(timeout, STARTUP_TIMEOUT_S)
@@ -454,7 +603,7 @@ class _Pool:
         deadline = time.monotonic() + timeout
         payload = pickle.dumps((fn, args, kwargs))
         for conn in self.conns:
-            conn.send((test, list(sys.path), payload))
+            conn.send((test, list(sys.path), pg_timeout_s, payload))
         what = f"{getattr(fn, '__name__', fn)} on {self.world_size} pooled ranks ({test})"
         try:
             done = self._collect(deadline, what)  # the call's outcome, as soon as it is in
@@ -498,13 +647,14 @@ class _Pool:
             conn.close()
 
 
-_pools: dict[tuple[int, float], _Pool] = {}
+_pools: dict[int, _Pool] = {}
 _lock = threading.Lock()
 
 
 def pool_for(world_size: int, pg_timeout_s: float) -> _Pool:
-    """The live pool for this key (moved to most recently used), started if needed."""
-    key = (world_size, pg_timeout_s)
+    """The live pool of this world size (moved to most recently used), started if needed
+    (its group's first timeout: ``pg_timeout_s``; each call sets its own)."""
+    key = world_size
     pool = _pools.pop(key, None)
     if pool is None:
         while _pools and sum(p.world_size for p in _pools.values()) + world_size > (
@@ -516,8 +666,8 @@ def pool_for(world_size: int, pg_timeout_s: float) -> _Pool:
     return pool
 
 
-def discard(world_size: int, pg_timeout_s: float) -> None:
-    pool = _pools.pop((world_size, pg_timeout_s), None)
+def discard(world_size: int) -> None:
+    pool = _pools.pop(world_size, None)
     if pool is not None:
         pool.close()
 
@@ -530,18 +680,19 @@ def run_pooled(
         pool = pool_for(world_size, pg_timeout_s)
         clean = False
         try:
-            results = pool.call(fn, args, kwargs, timeout)
+            results = pool.call(fn, args, kwargs, timeout, pg_timeout_s)
             clean = True
             return results
         finally:
             if not clean:
-                discard(world_size, pg_timeout_s)
+                discard(world_size)
 
 
 def shutdown() -> None:
     with _lock:
         while _pools:
             _pools.popitem()[1].close()
+        stop_fork_servers()
 
 
 atexit.register(shutdown)

@@ -10,15 +10,15 @@ within ``timeout`` seconds is killed and raises ``TimeoutError``, so tests never
 are fine: they are pickled by value, not shared).
 
 The ranks are pooled workers (tests/dist_pool.py, [Note: pool isolation]) kept alive across
-tests, unless the test is marked ``fresh_processes`` or passes ``pooled=False``: what
-only a fresh process shows (interpreter exit, process-group teardown, crashes, environment
-read at import, forking) needs its own processes.
+tests in the files that passed the isolation checks; elsewhere they are new processes
+forked from a fork server that imported torch and zerostate once ([Note: forked
+workers]). A test marked ``fresh_processes``, or a call with ``pooled=False``, gets
+spawned interpreters: what only a fresh interpreter shows (interpreter exit,
+process-group teardown, crashes, environment read at import, forking) needs them.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import pickle
 import queue
 import socket
@@ -70,9 +70,10 @@ def _worker(
     kwargs: dict,
     results: Any,
     sys_path: list[str],
+    env: dict[str, str],
     pg_timeout_s: float,
 ) -> None:
-    sys.path[:] = sys_path
+    dist_pool.enter_worker(sys_path, env)
     import torch
     import torch.distributed as dist
 
@@ -107,43 +108,24 @@ def run_distributed(
     pg_timeout_s = max(30.0, timeout / 2)
     if pooled or (pooled is None and dist_pool.pooling_allowed()):
         return dist_pool.run_pooled(fn, world_size, args, kwargs, timeout, pg_timeout_s)
-    return _run_fresh(fn, world_size, args, kwargs, timeout, pg_timeout_s)
+    spawn = pooled is False  # asked for by name: a new interpreter ([Note: forked workers])
+    return _run_fresh(fn, world_size, args, kwargs, timeout, pg_timeout_s, spawn)
 
 
 def _run_fresh(
-    fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float, pg_timeout_s: float
+    fn: Callable,
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    timeout: float,
+    pg_timeout_s: float,
+    spawn: bool,
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = dist_pool.start_context(spawn=spawn)
     results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(
-                fn,
-                rank,
-                world_size,
-                port,
-                args,
-                kwargs,
-                results,
-                list(sys.path),
-                pg_timeout_s,
-            ),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    env_threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if env_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = env_threads
+    with dist_pool.worker_environment() as env:
+        procs = _start(ctx, fn, world_size, port, args, kwargs, results, env, pg_timeout_s)
     deadline = time.monotonic() + timeout
     got: dict[int, tuple[bool, Any]] = {}
     try:
@@ -183,3 +165,23 @@ def _run_fresh(
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         raise WorkerError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
     return [pickle.loads(got[r][1]) for r in range(world_size)]
+
+
+def _start(
+    ctx: Any,
+    fn: Callable,
+    world_size: int,
+    port: int,
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+    env: dict[str, str],
+    pg_timeout_s: float,
+) -> list[Any]:
+    procs = []
+    for rank in range(world_size):
+        worker_args = (fn, rank, world_size, port, args, kwargs, results, list(sys.path))
+        proc = dist_pool.new_process(ctx, rank, _worker, (*worker_args, env, pg_timeout_s))
+        proc.start()
+        procs.append(proc)
+    return procs

@@ -7,9 +7,11 @@ call gets fresh workers."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
+import dist_pool
 import pytest
 import torch
 from helpers_dist import LeakError, WorkerError, run_distributed
@@ -89,6 +91,23 @@ def _settings(rank: int, world: int) -> dict:
     }
 
 
+def _timeouts(rank: int, world: int) -> tuple[float, float]:
+    """The default group's collective timeout and its store's, in seconds."""
+    from torch.distributed import distributed_c10d as c10d
+
+    backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+    store = c10d._get_default_store()
+    return backend.options._timeout.total_seconds(), store.timeout.total_seconds()
+
+
+def _start_state(rank: int, world: int) -> tuple[bool, str | None, int, float]:
+    """Whether zerostate was imported before this call (the fork servers preload it; this
+    module does not import it), the caller's probe variable, this interpreter's string
+    hash and a first draw of torch's RNG (both differ between fresh processes)."""
+    probe = os.environ.get("ZEROSTATE_POOL_PROBE")
+    return "zerostate.store" in sys.modules, probe, hash("zerostate"), torch.rand(1).item()
+
+
 def _fail_on_rank_1(rank: int, world: int) -> None:
     if rank == 1:
         raise ValueError("rank 1 fails on purpose")
@@ -145,6 +164,17 @@ def test_a_leak_fails_loudly_naming_it_and_the_workers_are_replaced(
     assert run_distributed(_pid, 2) == after  # and those are clean: kept
 
 
+def test_calls_with_other_time_bounds_share_the_workers_with_their_own_timeout() -> None:
+    # A fresh process gets init_process_group(timeout=max(30, timeout / 2)).
+    fresh = run_distributed(_timeouts, 2, timeout=300, pooled=False)
+    assert fresh == [(150.0, 150.0)] * 2
+    before = run_distributed(_pid, 2, timeout=120)
+    assert run_distributed(_timeouts, 2, timeout=300) == fresh
+    assert run_distributed(_timeouts, 2, timeout=120) == [(60.0, 60.0)] * 2
+    assert run_distributed(_timeouts, 2, timeout=20) == [(30.0, 30.0)] * 2
+    assert run_distributed(_pid, 2, timeout=900) == before
+
+
 def test_settings_a_call_changes_are_put_back() -> None:
     fresh = run_distributed(_settings, 2, pooled=False)
     before = run_distributed(_pid, 2)
@@ -174,7 +204,6 @@ def test_a_failing_rank_fails_the_call_and_the_pool_recovers() -> None:
 
 
 def test_a_crashed_rank_fails_the_call_within_its_bound_and_the_pool_recovers() -> None:
-    # One time bound throughout: pools are kept per (world size, group timeout).
     before = run_distributed(_pid, 2, timeout=60)
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"exited without a result: \{1: 3\}"):
@@ -200,5 +229,30 @@ def test_a_hung_call_times_out_naming_the_test_and_the_pool_recovers(
 
 
 @pytest.mark.fresh_processes
-def test_the_fresh_processes_marker_gives_new_processes() -> None:
+def test_the_fresh_processes_marker_gives_new_processes(monkeypatch) -> None:
     assert set(run_distributed(_pid, 2)).isdisjoint(run_distributed(_pid, 2))
+    monkeypatch.setenv("ZEROSTATE_POOL_PROBE", "caller")
+    # Spawned: a new interpreter that imported nothing it was not asked to.
+    spawned = run_distributed(_start_state, 2)
+    assert [r[:2] for r in spawned] == [(False, "caller")] * 2
+    assert spawned[0][2:] != spawned[1][2:]
+
+
+def test_unpooled_calls_fork_new_workers_with_the_callers_environment(
+    request: pytest.FixtureRequest, monkeypatch
+) -> None:
+    monkeypatch.setenv("ZEROSTATE_POOL_PROBE", "caller")
+    with dist_pool.test_context(request.node.nodeid, pooled=False):  # an unchecked file
+        first, second = run_distributed(_pid, 2), run_distributed(_pid, 2)
+        forked = run_distributed(_start_state, 2)
+    assert set(first).isdisjoint(second) and os.getpid() not in first  # new processes
+    assert [r[:2] for r in forked] == [(True, "caller")] * 2  # zerostate came with the fork
+    # Ranks fork from fork servers of their own: hash seeds and RNG states differ, as
+    # between spawned ranks, and a second call draws new RNG states.
+    assert forked[0][2] != forked[1][2] and forked[0][3] != forked[1][3]
+    with dist_pool.test_context(request.node.nodeid, pooled=False):
+        again = run_distributed(_start_state, 2)
+    assert {r[3] for r in again}.isdisjoint(r[3] for r in forked)
+    # pooled=False asks for a new interpreter by name.
+    spawned = run_distributed(_start_state, 2, pooled=False)
+    assert [r[:2] for r in spawned] == [(False, "caller")] * 2

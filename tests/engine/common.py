@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -114,3 +117,25 @@ def compare(losses, ref_losses, params, ref_params):
     errs = {n: rel(params[n], p) for n, p in ref_params.items()}
     worst = max(errs, key=errs.get)
     return loss_err, errs[worst], worst
+
+
+@contextlib.contextmanager
+def log_messages(name: str = "zerostate", level: int | None = None) -> Iterator[list[str]]:
+    """The messages logged to ``name`` while inside; the handler (and ``level``, when
+    given) is taken off again on the way out, so a pooled worker stays as it started."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    handler, old_level = Keep(), logger.level
+    logger.addHandler(handler)
+    if level is not None:
+        logger.setLevel(level)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

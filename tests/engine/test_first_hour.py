@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from common import log_messages
 from helpers_dist import run_distributed
 from safetensors.torch import load_file
 from torch import nn
@@ -37,17 +37,6 @@ class Counted(nn.Module):
         return x.float().square().mean() + 0 * self.ids.sum()
 
 
-def _capture() -> list[str]:
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("zerostate").addHandler(Keep())
-    return records
-
-
 def _error(fn, cls=Exception) -> str:
     try:
         fn()
@@ -57,8 +46,12 @@ def _error(fn, cls=Exception) -> str:
 
 
 def _worker(rank: int, world_size: int, tmp: str) -> dict:
+    with log_messages() as logs:
+        return _worker_logged(logs, tmp)
+
+
+def _worker_logged(logs: list[str], tmp: str) -> dict:
     out: dict = {}
-    logs = _capture()
     x = torch.randn(4, 6)  # fp32, as data loaders give it
     for stage in (2, 3):
         torch.manual_seed(0)

@@ -11,15 +11,11 @@ import warnings
 
 import pytest
 import torch
-from common import batch, local, make_model
+from common import batch, local, log_messages, make_model
 from helpers_dist import WorkerError, run_distributed
 
 import zerostate
 from zerostate.errors import CheckpointError, CollectiveTimeoutError, ConfigError
-
-# Fresh processes per test, not pooled workers: its ranks add handlers to and set levels on
-# zerostate's loggers.
-pytestmark = pytest.mark.fresh_processes
 
 
 def _lambda(step: int) -> float:
@@ -108,10 +104,11 @@ def test_lr_next_to_optimizer_names_the_fix() -> None:
 
 
 def _load_without_stateful(rank: int, world_size: int, root: str) -> dict:
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zerostate").addHandler(handler)
+    with log_messages() as records:
+        return _load_without_stateful_logged(records, root, rank, world_size)
+
+
+def _load_without_stateful_logged(records: list[str], root: str, rank: int, world_size: int):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     engine = zerostate.Engine(model, stage=2, optimizer=opt)
@@ -206,6 +203,9 @@ def _rank0_only_save(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+# Fresh processes: one rank gives up on a collective that the other never enters, and the
+# ranks signal each other through a key in the default group's store.
+@pytest.mark.fresh_processes
 def test_rank0_only_save_fails_within_the_bound(tmp_path) -> None:
     first, second = run_distributed(_rank0_only_save, 2, str(tmp_path / "ckpt"), timeout=180)
     assert "rank(s) 1 of 2 did not enter it" in first["error"], first
@@ -246,14 +246,13 @@ def test_second_engine_on_the_same_model_is_refused() -> None:
 
 
 def _progress_and_mismatched_calls(rank: int, world_size: int, root: str) -> dict:
+    with log_messages("zerostate.engine", logging.INFO) as lines:
+        return _progress_and_mismatched_calls_logged(lines, root, rank, world_size)
+
+
+def _progress_and_mismatched_calls_logged(lines: list[str], root: str, rank: int, world_size: int):
     from zerostate.errors import DistributedMismatchError
 
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("zerostate.engine")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     engine = zerostate.Engine(make_model(), stage=2, log_every=2, grad_accum_steps=2)
     for s in range(4):
         for micro in range(2):
@@ -309,6 +308,8 @@ def _last_call_then_exit(rank: int, world_size: int) -> str:
     return f"{len(state)} tensors"
 
 
+# Fresh processes: what it checks is each worker exiting right after its last call.
+@pytest.mark.fresh_processes
 def test_store_host_does_not_leave_before_the_others_read_the_verdict() -> None:
     for _ in range(3):
         results = run_distributed(_last_call_then_exit, 2, timeout=120)

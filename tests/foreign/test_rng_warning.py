@@ -31,10 +31,13 @@ def _load_both(rank: int, world_size: int, dcp: str, root: str) -> dict:
     if rank == 0:  # loads at world size 1: neither checkpoint's RNG states can be restored
         records = _Records()
         logging.getLogger("zerostate").addHandler(records)
-        for name, path in (("dcp", dcp), ("zerostate", ours)):
-            del records.messages[:]
-            zerostate.Engine(peers.build_model(), stage=2, group=sub).load(path)
-            out[name] = [m for m in records.messages if "RNG states" in m]
+        try:
+            for name, path in (("dcp", dcp), ("zerostate", ours)):
+                del records.messages[:]
+                zerostate.Engine(peers.build_model(), stage=2, group=sub).load(path)
+                out[name] = [m for m in records.messages if "RNG states" in m]
+        finally:
+            logging.getLogger("zerostate").removeHandler(records)
     dist.barrier()
     return out
 
