@@ -37,12 +37,17 @@ class Coordinator:
     """Appended to that error's message (what the failure means, e.g. nothing committed)."""
 
     @classmethod
-    def of(cls, engine: Any, *, error_cls: type[Exception], note: str = "") -> Coordinator:
-        """The coordinator of ``engine``'s data-parallel process group."""
+    def of(
+        cls, engine: Any, *, error_cls: type[Exception], note: str = "", world: Any = None
+    ) -> Coordinator:
+        """The coordinator of ``engine``'s data-parallel process group, or of ``world``
+        (an object with ``group``, ``rank`` and ``world_size``: the ranks that save a
+        tensor-parallel checkpoint together)."""
+        world = engine if world is None else world
         return cls(
-            group=engine.group,
-            rank=engine.rank,
-            world_size=engine.world_size,
+            group=world.group,
+            rank=world.rank,
+            world_size=world.world_size,
             device=engine.device,
             arrival_timeout_s=engine.config.collective_timeout_s,
             error_cls=error_cls,

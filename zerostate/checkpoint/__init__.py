@@ -105,20 +105,14 @@ class Checkpointer:
             env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
             timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
         self.timeout_s = timeout_s
-        note = " and nothing was committed"
-        world = engine.checkpoint_world  # under tensor parallelism: tp x dp_shard ranks
-        if world is None:
-            self.coordinator = Coordinator.of(engine, error_cls=CheckpointError, note=note)
-        else:  # [Note: tensor-parallel checkpoints] in zerostate.runtime.tp_checkpoint
-            self.coordinator = Coordinator(
-                group=world.group,
-                rank=world.rank,
-                world_size=world.world_size,
-                device=engine.device,
-                arrival_timeout_s=engine.config.collective_timeout_s,
-                error_cls=CheckpointError,
-                note=note,
-            )
+        # Under tensor parallelism the tp x dp_shard ranks of a replica save together
+        # ([Note: tensor-parallel checkpoints] in zerostate.runtime.tp_checkpoint).
+        self.coordinator = Coordinator.of(
+            engine,
+            error_cls=CheckpointError,
+            note=" and nothing was committed",
+            world=engine.checkpoint_world,
+        )
         self.saves = BackgroundSaves(self)
         self.snapshots = Snapshots()
         self.roots = RootMemory()

@@ -126,6 +126,32 @@ def reshard(
         for i, layout in zip(infos, layouts, strict=True)
     ]
     attrs = _updated_attrs(st.attrs, st.world_size, world_size, st.step)
+
+    def shards_of(rank: int) -> dict[str, LazyShard]:
+        shards = {}
+        for info, layout in zip(infos, layouts, strict=True):
+            lo, hi = layout.owned_range(rank)
+            if hi > lo:
+                shards[info.name] = LazyShard(hi - lo, info.dtype, _SourceRange(st, info, lo, hi))
+        return shards
+
+    total = _write_ranks(st, target, infos, specs, attrs, world_size, shards_of, progress)
+    return ReshardResult(st.step, int(st.world_size), world_size, len(infos), total)
+
+
+def _write_ranks(
+    st: Any,
+    target: Any,
+    infos: list,
+    specs: list[TensorSpec],
+    attrs: dict,
+    world_size: int,
+    shards_of: Callable[[int], dict[str, LazyShard]],
+    progress: ProgressFn | None,
+) -> int:
+    """Write and commit the new step, one :class:`StepWriter` per rank, streaming each
+    rank's ``shards_of(rank)``; returns the bytes written. Rank 0 goes last: its commit
+    waits for every other rank's manifest."""
     total = sum(int(i.nbytes) for i in infos)
     done = 0
 
@@ -135,26 +161,15 @@ def reshard(
         if progress is not None:
             progress(done, total)
 
-    # Rank 0 goes last: its commit waits for every other rank's manifest.
     for rank in [*range(1, world_size), 0]:
         writer = target.writer(
-            st.step,
-            rank=rank,
-            world_size=world_size,
-            specs=specs,
-            attrs=attrs,
-            progress=advance,
+            st.step, rank=rank, world_size=world_size, specs=specs, attrs=attrs, progress=advance
         )
-        shards = {}
-        for info, layout in zip(infos, layouts, strict=True):
-            lo, hi = layout.owned_range(rank)
-            if hi > lo:
-                shards[info.name] = LazyShard(hi - lo, info.dtype, _SourceRange(st, info, lo, hi))
-        writer.write(shards)
+        writer.write(shards_of(rank))
         writer.commit(wait=rank == 0)
     if progress is not None and not total:
         progress(0, 0)
-    return ReshardResult(st.step, int(st.world_size), world_size, len(infos), total)
+    return total
 
 
 class _SourceRange:
@@ -240,30 +255,17 @@ def _reshard_mesh(
     ]
     attrs = _updated_attrs(st.attrs, st.world_size, world, st.step)
     attrs["resharded_from"]["tp"] = tp
-    total = sum(int(i.nbytes) for i in infos)
-    done = 0
 
-    def advance(nbytes: int) -> None:
-        nonlocal done
-        done += nbytes
-        if progress is not None:
-            progress(done, total)
-
-    for rank in [*range(1, world), 0]:
-        writer = target.writer(
-            st.step, rank=rank, world_size=world, specs=specs, attrs=attrs, progress=advance
-        )
-        piece = divmod(rank, dp)
-        shards = {}
+    def shards_of(rank: int) -> dict[str, LazyShard]:
+        piece, shards = divmod(rank, dp), {}
         for info, mesh, spec in zip(infos, meshes, specs, strict=True):
             if piece[0] < mesh.num_tp_pieces and spec.layout.numel:
                 chunk = spec.layout.chunk_numel
                 read = _PieceSource(st, info, mesh.segments(piece), chunk)
                 shards[info.name] = LazyShard(chunk, info.dtype, read)
-        writer.write(shards)
-        writer.commit(wait=rank == 0)
-    if progress is not None and not total:
-        progress(0, 0)
+        return shards
+
+    total = _write_ranks(st, target, infos, specs, attrs, world, shards_of, progress)
     return ReshardResult(st.step, int(st.world_size), world, len(infos), total)
 
 
