@@ -176,6 +176,13 @@ def new_singleton_group() -> Any:
     return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
+def new_subgroups(rank_lists: list[list[int]]) -> Any:
+    """This rank's group of ``rank_lists`` (disjoint lists covering the world), made by every
+    rank for every list in the same order: a collective."""
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    return group
+
+
 def _count(stats: CommStats | None, kind: str, numel: int, tensor: torch.Tensor) -> None:
     if stats is not None:
         stats.record(kind, numel, tensor.element_size())

@@ -50,8 +50,6 @@ class CheckpointWorld:
 def checkpoint_world(mesh: Any, tp_rank: int, tp_size: int, dp_rank: int, dp_size: int) -> Any:
     """The process group over the ``tp x dp_shard`` ranks of this rank's replica (collective:
     every rank of the world creates every replica's group, in the same order)."""
-    import torch.distributed as dist
-
     names = list(mesh.mesh_dim_names)
     ranks = mesh.mesh
     if "dp_replicate" in names:
@@ -59,7 +57,7 @@ def checkpoint_world(mesh: Any, tp_rank: int, tp_size: int, dp_rank: int, dp_siz
         replicas = [ranks.select(dim, r).reshape(-1).tolist() for r in range(ranks.shape[dim])]
     else:
         replicas = [ranks.reshape(-1).tolist()]
-    group, _ = dist.new_subgroups_by_enumeration(replicas)
+    group = collectives.new_subgroups(replicas)
     return CheckpointWorld(
         group=group,
         rank=tp_rank * dp_size + dp_rank,
