@@ -32,7 +32,8 @@ instead of a ``DistributedDataParallel`` wrapper:
 ``parallelize_module`` before ``fit``; the process group initialised first, which Lightning
 then keeps) passes through to the engine, and the distributed sampler splits the data over
 the data-parallel ranks only, so the ``tp`` ranks of one coordinate see the same batches.
-Checkpoints with tensor parallelism are not supported yet (``enable_checkpointing=False``).
+Lightning checkpoints with tensor parallelism are not tested yet (``engine.save`` /
+``load`` are: format 3); ``enable_checkpointing=False`` keeps clear of them.
 
 Gradient accumulation across the end of an epoch differs from DDP: the engine steps every
 ``accumulate_grad_batches`` micro-batches, so keep the batches per epoch a multiple of it.

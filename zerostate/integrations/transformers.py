@@ -25,8 +25,9 @@ Same arguments as ``Trainer`` plus ``stage`` and the engine's options. What chan
 - ``mesh=`` (a device mesh with ``tp``: the model parallelized with torch's
   ``parallelize_module`` before the Trainer is built) passes through to the engine, and the
   dataloader is split over the data-parallel ranks only (accelerate's mesh-aware split): the
-  ``tp`` ranks of one data-parallel coordinate see the same batches. Checkpoints with
-  tensor parallelism are not supported yet (use ``save_strategy="no"``);
+  ``tp`` ranks of one data-parallel coordinate see the same batches. The Trainer's
+  checkpoints with tensor parallelism are not tested yet (``engine.save`` / ``load`` are:
+  format 3); ``save_strategy="no"`` keeps clear of them;
 - when ``train()`` returns, the engine is closed and the model holds its full trained
   weights at every stage, stage 3 included: ``model.save_pretrained(dir)`` or
   ``torch.save(model.state_dict(), path)`` on rank 0 writes them, and evaluation runs on
