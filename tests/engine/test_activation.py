@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_dist import run_distributed
+from llama_tp import llama, parallelize
 from torch.distributed.device_mesh import init_device_mesh
 from world_of_one import world_of_one  # noqa: F401 - fixture
 
@@ -29,22 +30,12 @@ VOCAB = 256
 SEQ = 8
 STEPS = 3
 MODES = ("full", "partitioned", "partitioned_cpu")
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
-COLWISE += ("mlp.up_proj",)
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def _llama(layers: int = 2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=100, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        attention_dropout=0.2,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    return LlamaForCausalLM(cfg)
+    return llama(
+        vocab=VOCAB, hidden=48, inter=100, heads=4, kv=2, layers=layers, attention_dropout=0.2
+    )
 
 
 def _batch(step: int, rows: int, offset: int = 0) -> torch.Tensor:
@@ -180,17 +171,7 @@ def test_settings_are_checked_naming_the_fix() -> None:
 
 # -- tensor parallelism: (dp_shard 2 x tp 2) ----------------------------------------------
 def _parallelize(model, tp_mesh):
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-    return parallelize_module(model, tp_mesh, plan)
+    return parallelize(model, tp_mesh)
 
 
 def _tp_worker(rank: int, world_size: int, stage: int) -> dict:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from helpers_dist import run_distributed
+from llama_tp import llama, parallelize
 from torch.distributed.device_mesh import init_device_mesh
 from zerostate_cli.main import main
 
@@ -19,36 +20,14 @@ from zerostate.estimate import estimate, mesh_shape
 pytest.importorskip("transformers")
 
 STAGES = (0, 1, 2, 3)
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
-COLWISE += ("mlp.up_proj",)
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def _llama():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=1000, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    return LlamaForCausalLM(cfg)
+    return llama(vocab=1000, hidden=96, inter=200, heads=4, kv=2)
 
 
 def _parallelize(model, tp_mesh):
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-    return parallelize_module(model, tp_mesh, plan)
+    return parallelize(model, tp_mesh)
 
 
 def _worker(rank: int, world_size: int) -> dict:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from common import rel
 from helpers_dist import run_distributed
+from llama_tp import llama, parallelize
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerostate
@@ -30,35 +31,14 @@ SEQ = 8
 SGD = dict(lr=0.05, momentum=0.9)
 ADAMW = dict(lr=1e-3, eps=1e-6, weight_decay=0.0)
 CLIP = 0.05
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
-COLWISE += ("mlp.up_proj",)
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=100, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    return LlamaForCausalLM(cfg)
+    return llama(vocab=VOCAB, hidden=48, inter=100, heads=4, kv=2)
 
 
 def _parallelize(model, tp_mesh):
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-    return parallelize_module(model, tp_mesh, plan)
+    return parallelize(model, tp_mesh)
 
 
 def _batch(step: int) -> torch.Tensor:

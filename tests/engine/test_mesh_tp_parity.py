@@ -24,6 +24,7 @@ import pytest
 import torch
 from common import rel
 from helpers_dist import run_distributed
+from llama_tp import llama, parallelize
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerostate
@@ -41,37 +42,14 @@ ADAMW = dict(lr=1e-3, eps=1e-6, weight_decay=0.0)
 FLOOR = 1e-5
 #: bf16 engine vs bf16 FSDP2 + TP: relative L2 error of any parameter after 5 steps.
 BF16_TOL = 2.0**-8
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
-COLWISE += ("mlp.up_proj",)
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=200, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    return LlamaForCausalLM(cfg)
+    return llama(vocab=VOCAB, hidden=96, inter=200, heads=8, kv=4)
 
 
 def _parallelize(model, mesh):
-    if "tp" not in mesh.mesh_dim_names:
-        return model
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-    return parallelize_module(model, mesh["tp"], plan)
+    return parallelize(model, mesh["tp"]) if "tp" in mesh.mesh_dim_names else model
 
 
 def _batch(step: int) -> torch.Tensor:
