@@ -172,12 +172,13 @@ def _write_ranks(
     return total
 
 
-class _SourceRange:
-    """Bytes of elements ``[lo, hi)`` of a source tensor, read in verified blocks of up to
-    ``BLOCK_NBYTES`` as the new row streams past them (one block in memory)."""
+class _Blocks:
+    """Bytes of ``numel`` elements of a new row's tensor, produced by :meth:`_fill` in
+    verified blocks of up to ``BLOCK_NBYTES`` as the row streams past them (one block in
+    memory)."""
 
-    def __init__(self, st: Any, info: Any, lo: int, hi: int) -> None:
-        self.st, self.info, self.lo, self.hi = st, info, lo, hi
+    def __init__(self, st: Any, info: Any, numel: int) -> None:
+        self.st, self.info, self.numel = st, info, numel
         self.block_lo, self.block = 0, memoryview(b"")
 
     def __call__(self, offset: int, nbytes: int) -> memoryview:
@@ -185,10 +186,24 @@ class _SourceRange:
         end = offset + nbytes
         if not (self.block_lo <= offset and end <= self.block_lo + self.block.nbytes):
             first = offset // item
-            stop = min(self.hi - self.lo, max(-(-end // item), first + BLOCK_NBYTES // item))
-            data = self.st.read_range(self.info.name, self.lo + first, self.lo + stop)
+            stop = min(self.numel, max(-(-end // item), first + BLOCK_NBYTES // item))
+            data = self._fill(first, stop)
             self.block_lo, self.block = first * item, memoryview(data.view(torch.uint8).numpy())
         return self.block[offset - self.block_lo : end - self.block_lo]
+
+    def _fill(self, first: int, stop: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _SourceRange(_Blocks):
+    """Elements ``[lo, hi)`` of a source tensor."""
+
+    def __init__(self, st: Any, info: Any, lo: int, hi: int) -> None:
+        super().__init__(st, info, hi - lo)
+        self.lo = lo
+
+    def _fill(self, first: int, stop: int) -> torch.Tensor:
+        return self.st.read_range(self.info.name, self.lo + first, self.lo + stop)
 
 
 def _updated_attrs(attrs: dict, src_world_size: int, world_size: int, step: int) -> dict:
@@ -269,24 +284,15 @@ def _reshard_mesh(
     return ReshardResult(st.step, int(st.world_size), world, len(infos), total)
 
 
-class _PieceSource:
-    """Bytes of one target piece (padded to its row's chunk), assembled from the source's
-    logical ranges of the piece's segments, a block of up to ``BLOCK_NBYTES`` at a time."""
+class _PieceSource(_Blocks):
+    """One target piece (padded to its row's chunk), assembled from the source's logical
+    ranges of the piece's segments."""
 
     def __init__(self, st: Any, info: Any, segments: list, chunk: int) -> None:
-        self.st, self.info, self.segments, self.chunk = st, info, segments, chunk
-        self.block_lo, self.block = 0, memoryview(b"")
+        super().__init__(st, info, chunk)
+        self.segments = segments
 
-    def __call__(self, offset: int, nbytes: int) -> memoryview:
-        item = self.info.dtype.itemsize
-        end = offset + nbytes
-        if not (self.block_lo <= offset and end <= self.block_lo + self.block.nbytes):
-            first = offset // item
-            stop = min(self.chunk, max(-(-end // item), first + BLOCK_NBYTES // item))
-            self.block_lo, self.block = first * item, self._fill(first, stop)
-        return self.block[offset - self.block_lo : end - self.block_lo]
-
-    def _fill(self, first: int, stop: int) -> memoryview:
+    def _fill(self, first: int, stop: int) -> torch.Tensor:
         out = torch.zeros(stop - first, dtype=self.info.dtype)
         requests = []
         for g, n, p in self.segments:  # in piece order
@@ -295,4 +301,4 @@ class _PieceSource:
                 requests.append((self.info.name, g + a - p, g + b - p, out[a - first : b - first]))
         if requests:
             self.st.read_many(requests)
-        return memoryview(out.view(torch.uint8).numpy())
+        return out
