@@ -258,3 +258,22 @@ def test_dp_shard_2_x_tp_2_checkpoint_loads_bit_identical_and_continues(saved, t
             assert largest <= 1e-5, (label, key, stage, largest)
         else:
             assert worst <= bound, (label, key, stage, worst, ref["fsdp2_adamw"])
+
+
+def test_consolidated_directory_of_a_tp_dp_step_loads_with_from_pretrained(saved, tmp_path):
+    """``consolidate`` of a (dp_shard 2 x tp 2) step, at each saved stage, into ``DIR/``:
+    the global masters the saving engines held (which every other layout, one process
+    included, loads bit-identically above), loadable by ``from_pretrained`` as is."""
+    from cli_helpers import main
+    from transformers import LlamaForCausalLM
+
+    root, ref = saved
+    for stage in SAVE_STAGES:
+        out = tmp_path / f"hf-{stage}"
+        assert main(["consolidate", f"{root}/adamw-{stage}", f"{out}/", "-q"]) == 0
+        assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+        loaded = LlamaForCausalLM.from_pretrained(out)
+        params = dict(loaded.named_parameters())
+        assert set(params) == set(_params())
+        for name, p in params.items():
+            assert torch.equal(p.detach(), ref[("adamw", stage)]["saved"][f"model/{name}"]), name
