@@ -44,26 +44,33 @@ def _s3_flags(server):
 @pytest.mark.s3
 def test_reshard_between_layouts_to_and_from_s3(s3_server, tmp_path):
     """local (tp 2 x dp 2) -> S3 (tp 1 x dp 4) -> S3 (tp 2 x dp 1) -> S3 (tp 1 x dp 2) ->
-    local (one rank), and S3 -> local back at (tp 2 x dp 2): every step holds the same
+    S3 (dp_replicate 2 x dp_shard 2) -> local (one rank), and S3 -> local back at (tp 2 x
+    dp 2): every step holds the same
     logical tensors (odd shapes, fused q/k/v and gate/up, bf16, a 3-D one), verifies, and
     the way back writes the source's row objects byte for byte."""
     bucket, options = s3_server.new_bucket()
     flags = _s3_flags(s3_server)
     full = write_mesh_step(tmp_path / "a", 5, 2, 2, plain=False)  # as a tp x dp job saves
+    # (source, destination, --tp, --dp, --dp-replicate, the step's world size)
     hops = [
-        (str(tmp_path / "a"), f"s3://{bucket}/dp4", (1, 4)),
-        (f"s3://{bucket}/dp4", f"s3://{bucket}/tp2", (2, 1)),
-        (f"s3://{bucket}/tp2", f"s3://{bucket}/dp2", (1, 2)),
-        (f"s3://{bucket}/dp2", str(tmp_path / "one"), (1, 1)),
-        (f"s3://{bucket}/dp2", str(tmp_path / "back"), (2, 2)),
+        (str(tmp_path / "a"), f"s3://{bucket}/dp4", 1, 4, 1, 4),
+        (f"s3://{bucket}/dp4", f"s3://{bucket}/tp2", 2, 1, 1, 2),
+        (f"s3://{bucket}/tp2", f"s3://{bucket}/dp2", 1, 2, 1, 2),
+        # (dp_replicate 2 x dp_shard 2): --dp counts both, the step is one replica's
+        (f"s3://{bucket}/dp2", f"s3://{bucket}/hsdp", 1, 4, 2, 2),
+        (f"s3://{bucket}/hsdp", str(tmp_path / "one"), 1, 1, 1, 1),
+        (f"s3://{bucket}/dp2", str(tmp_path / "back"), 2, 2, 1, 4),
     ]
-    for src, dst, (tp, dp) in hops:
-        done = run_cli("reshard", src, dst, "--tp", str(tp), "--dp", str(dp), "-q", *flags)
+    for src, dst, tp, dp, replicas, world_size in hops:
+        layout = ["--tp", str(tp), "--dp", str(dp), "--dp-replicate", str(replicas)]
+        done = run_cli("reshard", src, dst, *layout, *flags)
         assert done.returncode == 0, (src, dst, done.stderr)
+        if replicas > 1:
+            assert f"(dp_replicate {replicas} x dp_shard {dp // replicas} x tp {tp})" in done.stdout
         on_s3 = dst.startswith("s3://")
         assert run_cli("verify", dst, "-q", *(flags if on_s3 else [])).returncode == 0, dst
         got, world = _logical(dst, 5, options if on_s3 else None)
-        assert world == tp * dp, dst
+        assert world == world_size, dst
         assert set(got) == set(full), dst
         for name, tensor in full.items():
             assert torch.equal(got[name].reshape(-1), tensor.reshape(-1)), (dst, name)
@@ -76,6 +83,15 @@ def test_reshard_between_layouts_to_and_from_s3(s3_server, tmp_path):
     for path in rows:
         again = tmp_path / "back" / path.relative_to(tmp_path / "a")
         assert again.read_bytes() == path.read_bytes(), path
+
+
+def test_dp_replicate_that_does_not_divide_dp_is_refused_in_one_line(tmp_path):
+    write_mesh_step(tmp_path / "a", 5, 2, 2, plain=False)
+    layout = ["--tp", "1", "--dp", "3", "--dp-replicate", "2"]
+    done = run_cli("reshard", str(tmp_path / "a"), str(tmp_path / "b"), *layout)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--dp 3 does not split into --dp-replicate 2 replicas" in done.stderr
+    assert not (tmp_path / "b").exists()
 
 
 # --------------------------------------------------------------------------- peak memory
