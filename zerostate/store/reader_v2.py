@@ -212,8 +212,15 @@ class StepReaderV2(StepBase):
             start, stop, out = self._check_range(self.tensors[name], start, stop, out)
             outs[i] = out
             for read in mesh_mod.piece_reads(mesh, info.layout.chunk_numel, start, stop):
-                stored.append((_STORED, name, read.start, read.stop))
-                scatter.append((out, read.copies))
+                whole = read.copies == ((read.copies[0][0], 0, read.stop - read.start),)
+                if whole:  # one run of the request: read it in place, no scratch
+                    at = read.copies[0][0]
+                    land = out[at : at + read.stop - read.start]
+                    stored.append((_STORED, name, read.start, read.stop, land))
+                    scatter.append((None, ()))
+                else:
+                    stored.append((_STORED, name, read.start, read.stop, None))
+                    scatter.append((out, read.copies))
         for i, got in zip(plain, self.read_many([requests[i] for i in plain]), strict=True):
             outs[i] = got
         got = self._read_stored(stored)
@@ -229,8 +236,8 @@ class StepReaderV2(StepBase):
         pieces: dict[tuple[str, int], list[_Piece]] = {}
         for request in requests:
             if request[0] is _STORED:  # a mesh tensor's stored array ([Note: mesh tensors])
-                _, name, start, stop = request
-                info, out = self._meshes[name][1], None
+                _, name, start, stop, out = request
+                info = self._meshes[name][1]
             else:
                 name, start, stop, out = request
                 info = self.info(name)
