@@ -72,7 +72,6 @@ from zerostate.runtime import tp, tp_checkpoint, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
-from zerostate.store.root import CheckpointRoot
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -854,7 +853,7 @@ class Engine:
         def skipped() -> SaveHandle:
             if blocking:
                 return SaveHandle(number, path, None, 0.0)  # replica 0's verdict follows
-            root = CheckpointRoot.open(path, storage_options)
+            root = self._ckpt().roots.open(path, storage_options)  # the engine's root object
             watch = meshes.watch_commit(
                 lambda: root.is_committed(number), f"step {number}", self._ckpt().timeout_s
             )
