@@ -4,7 +4,7 @@ latest.json and PNG plots.
 
     python -m benchmarks                  # everything (about 10 minutes on 2 CPU cores)
     python -m benchmarks --quick          # tiny sizes (the smoke test)
-    python -m benchmarks --only save      # one row: step, save, load, s3, mesh
+    python -m benchmarks --only save      # one row: step, save, load, s3, mesh, layout
                                           # (save includes async save, load, consolidate)
 
 With ``--only``, the sections of this run replace the same sections of the report already
@@ -27,7 +27,7 @@ from pathlib import Path
 from benchmarks import report as rep
 from benchmarks.common import REPO, version_of
 
-ROWS = ("step", "save", "s3", "mesh")
+ROWS = ("step", "save", "s3", "mesh", "layout")
 ALIASES = {"async": "save", "load": "save", "consolidate": "save"}
 
 
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "torch.distributed.checkpoint, every row in one run")
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds per contender")
     p.add_argument("--only", help="comma-separated rows: step,save,load,async,consolidate,s3,"
-                                  "mesh (save, async, load and consolidate run together); "
+                                  "mesh,layout (save, async, load and consolidate run together); "
                                   "the report keeps the other sections of the one in --out")
     p.add_argument("--contenders", help="step row: comma-separated subset, e.g. ddp,zs0")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks",
@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import mesh_rows
 
                 sections.append(mesh_rows.run(args))
+            elif row == "layout":
+                from benchmarks import layout
+
+                sections.append(layout.run(args))
         except Exception as exc:  # one broken row must not lose the others' numbers
             traceback.print_exc()
             failed.append({"key": row, "error": f"{type(exc).__name__}: {exc}"})
