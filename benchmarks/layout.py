@@ -35,8 +35,10 @@ LR = 1e-4
 PRESETS = {
     "io": dict(hidden=512, inter=1376, layers=6, heads=8, kv=4, vocab=8192, mb=2, seq=64),
 }
-WHO = {"zs": "zerostate engine.load", "dcp": "DCP load with resharding (dcp.load + "
-                                             "set_state_dict into a dp 4 FSDP2 model)"}
+WHO = {
+    "zs": "zerostate engine.load",
+    "dcp": "DCP load with resharding (dcp.load + set_state_dict into a dp 4 FSDP2 model)",
+}
 
 
 def _preset(params: dict) -> dict:
@@ -108,8 +110,7 @@ def save(params: dict, ctx: Any) -> dict:
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     out = {"eval_loss": _eval_loss(model, preset)}
-    out["save_s"] = _timed(lambda: dcp.save(_dcp_state(model, opt),
-                                            checkpoint_id=str(root / who)))
+    out["save_s"] = _timed(lambda: dcp.save(_dcp_state(model, opt), checkpoint_id=str(root / who)))
     return out
 
 
@@ -136,8 +137,7 @@ def load(params: dict, ctx: Any) -> dict:
     def fn() -> None:
         state = _dcp_state(model, opt)  # allocates this rank's shards of every entry
         dcp.load(state, checkpoint_id=str(root / who))
-        set_state_dict(model, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     seconds = _timed(fn)
     return {"load_s": seconds, "eval_loss": _eval_loss(model, preset)}
@@ -157,8 +157,13 @@ def _run(opts: Any, base: Path) -> dict:
     name = "tiny" if opts.quick else "io"
     common = {"preset": name, "dir": str(base), "threads": 1}
     print("  layout: saves at (dp_shard 2 x tp 2) ...", flush=True)
-    saves = launch([(w, "layout_save", {**common, "contender": w}) for w in WHO],
-                   nproc=NPROC, batch=opts.quick, timeout=opts.timeout, verbose=opts.verbose)
+    saves = launch(
+        [(w, "layout_save", {**common, "contender": w}) for w in WHO],
+        nproc=NPROC,
+        batch=opts.quick,
+        timeout=opts.timeout,
+        verbose=opts.verbose,
+    )
     rounds = 1 if opts.quick else opts.rounds
     jobs: dict[str, Any] = {}
     cat_times: list[float] = []
@@ -166,15 +171,24 @@ def _run(opts: Any, base: Path) -> dict:
         print(f"  layout load round {r + 1}/{rounds} ...", flush=True)
         if r % 2 and saves["zs"].ok:
             cat_times.append(_cold_cat(base / "zs", NPROC))
-        order = [w for w in (list(WHO) if r % 2 == 0 else list(WHO)[::-1])
-                 if saves[w].ok and (w not in jobs or jobs[w].ok)]
-        got = launch([(w, "layout_load", {**common, "contender": w}) for w in order],
-                     nproc=NPROC, batch=opts.quick, timeout=opts.timeout, verbose=opts.verbose,
-                     before=drop_caches)
+        order = [
+            w
+            for w in (list(WHO) if r % 2 == 0 else list(WHO)[::-1])
+            if saves[w].ok and (w not in jobs or jobs[w].ok)
+        ]
+        got = launch(
+            [(w, "layout_load", {**common, "contender": w}) for w in order],
+            nproc=NPROC,
+            batch=opts.quick,
+            timeout=opts.timeout,
+            verbose=opts.verbose,
+            before=drop_caches,
+        )
         for w, job in got.items():
             job = _checked(job, saves[w].ranks[0]["eval_loss"])
-            print(f"    {w}: {_load_s(job):.3f} s" if job.ok else f"    {w}: {job.error}",
-                  flush=True)
+            print(
+                f"    {w}: {_load_s(job):.3f} s" if job.ok else f"    {w}: {job.error}", flush=True
+            )
             if w not in jobs or not job.ok or _load_s(job) < _load_s(jobs[w]):
                 jobs[w] = job
         if r % 2 == 0 and saves["zs"].ok:
@@ -188,28 +202,63 @@ def _run(opts: Any, base: Path) -> dict:
             rows.append(_row(label, False, job.error))
         else:
             want = saves[w].ranks[0]["eval_loss"]
-            rows.append(_row(label, True, MiB=tree_bytes(base / w) / MIB,
-                             seconds=_load_s(job), save_s=max(r["save_s"] for r in saves[w].ranks),
-                             eval_loss_error=abs(job.ranks[0]["eval_loss"] - want)))
+            rows.append(
+                _row(
+                    label,
+                    True,
+                    MiB=tree_bytes(base / w) / MIB,
+                    seconds=_load_s(job),
+                    save_s=max(r["save_s"] for r in saves[w].ranks),
+                    eval_loss_error=abs(job.ranks[0]["eval_loss"] - want),
+                )
+            )
     if cat_times:
-        rows.append(_row(f"cat of zerostate's files, {NPROC} processes (disk speed)", True,
-                         MiB=tree_bytes(base / "zs") / MIB, seconds=min(cat_times)))
+        rows.append(
+            _row(
+                f"cat of zerostate's files, {NPROC} processes (disk speed)",
+                True,
+                MiB=tree_bytes(base / "zs") / MIB,
+                seconds=min(cat_times),
+            )
+        )
     zs, dcp_row = rows[0], rows[1]
-    ratios = [x for x in (
-        _ratio("layout-changing load time, zerostate / cat of the same files", zs, rows[-1],
-               "seconds", None) if cat_times else None,
-        _ratio("layout-changing load time, zerostate / DCP resharding load", zs, dcp_row,
-               "seconds", 1.0),
-    ) if x]
+    ratios = [
+        x
+        for x in (
+            _ratio(
+                "layout-changing load time, zerostate / cat of the same files",
+                zs,
+                rows[-1],
+                "seconds",
+                None,
+            )
+            if cat_times
+            else None,
+            _ratio(
+                "layout-changing load time, zerostate / DCP resharding load",
+                zs,
+                dcp_row,
+                "seconds",
+                1.0,
+            ),
+        )
+        if x
+    ]
     p = _preset(common)
-    setup = (f"transformers Llama from a config (hidden {p['hidden']}, intermediate "
-             f"{p['inter']}, {p['layers']} layers, vocab {p['vocab']}), fp32 weights + AdamW "
-             f"moments after one step, saved by {NPROC} gloo ranks at (dp_shard {NPROC // TP} x "
-             f"tp {TP}) (zerostate stage 3; FSDP2 + TP with DCP), loaded by {NPROC} fresh ranks "
-             f"at dp_shard {NPROC} without tensor parallelism (zerostate stage 3; FSDP2), page "
-             "cache dropped before each load and before each cat; loaded state checked by the "
-             f"loss of a fixed batch; best of {rounds} round(s) in alternating order, the cat "
-             "included")
-    return {"key": "layout", "title": f"Layout-changing load: (dp_shard {NPROC // TP} x tp "
-                                      f"{TP}) -> dp_shard {NPROC}",
-            "setup": setup, "rows": rows, "ratios": ratios}
+    setup = (
+        f"transformers Llama from a config (hidden {p['hidden']}, intermediate "
+        f"{p['inter']}, {p['layers']} layers, vocab {p['vocab']}), fp32 weights + AdamW "
+        f"moments after one step, saved by {NPROC} gloo ranks at (dp_shard {NPROC // TP} x "
+        f"tp {TP}) (zerostate stage 3; FSDP2 + TP with DCP), loaded by {NPROC} fresh ranks "
+        f"at dp_shard {NPROC} without tensor parallelism (zerostate stage 3; FSDP2), page "
+        "cache dropped before each load and before each cat; loaded state checked by the "
+        f"loss of a fixed batch; best of {rounds} round(s) in alternating order, the cat "
+        "included"
+    )
+    return {
+        "key": "layout",
+        "title": f"Layout-changing load: (dp_shard {NPROC // TP} x tp {TP}) -> dp_shard {NPROC}",
+        "setup": setup,
+        "rows": rows,
+        "ratios": ratios,
+    }

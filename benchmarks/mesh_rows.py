@@ -36,22 +36,36 @@ LABELS = {
 }
 
 
-def _job(contenders: list[str], common: list[str], timeout: float,
-         verbose: bool) -> dict[str, dict]:
+def _job(
+    contenders: list[str], common: list[str], timeout: float, verbose: bool
+) -> dict[str, dict]:
     """One torchrun job of ``benchmarks.mesh`` with ``contenders``; their rows, or errors."""
     with tempfile.TemporaryDirectory(prefix="zs-bench-mesh-") as tmp:
         out = Path(tmp) / "mesh.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={NPROC}", "-m", "benchmarks.mesh", *common,
-               "--contenders", ",".join(contenders), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={NPROC}",
+            "-m",
+            "benchmarks.mesh",
+            *common,
+            "--contenders",
+            ",".join(contenders),
+            "--out",
+            str(out),
+        ]
         rc, output = _communicate(cmd, _env(1), timeout)
         if verbose:
             print(output, file=sys.stderr)
         rows = json.loads(out.read_text())["rows"] if out.exists() else {}
     why = "timed out" if rc is None else f"exit status {rc}"
     tail = [ln for ln in (output or "").strip().splitlines() if ln.strip()][-1:]
-    return {c: rows.get(c) or {"error": f"{why}: {tail[0][:300] if tail else '(no output)'}"}
-            for c in contenders}
+    return {
+        c: rows.get(c) or {"error": f"{why}: {tail[0][:300] if tail else '(no output)'}"}
+        for c in contenders
+    }
 
 
 def run(opts: Any) -> dict:
@@ -62,9 +76,22 @@ def run(opts: Any) -> dict:
     preset = "tiny" if opts.quick else ("1b" if cuda else "cpu")
     steps, warmup = (2, 1) if opts.quick else (opts.steps, 3)
     precision = "bf16" if cuda else "fp32"
-    common = ["--device", "cuda" if cuda else "cpu", "--tp", str(TP), "--stage", "2",
-              "--preset", preset, "--precision", precision, "--steps", str(steps),
-              "--warmup", str(warmup)]
+    common = [
+        "--device",
+        "cuda" if cuda else "cpu",
+        "--tp",
+        str(TP),
+        "--stage",
+        "2",
+        "--preset",
+        preset,
+        "--precision",
+        precision,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+    ]
     rounds = 1 if opts.quick else max(1, opts.rounds)
     runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
     for k in range(rounds):
@@ -86,36 +113,59 @@ def run(opts: Any) -> dict:
         a, b = by_name[zs], by_name[peer]
         if not (a["ok"] and b["ok"]):
             continue
-        for key, what in (("step_ms", "step time"), (memory_key, "peak memory per rank"),
-                          ("model_states_mb", "model-state bytes per rank")):
-            ratios.append({"label": f"{what}, {zs} / {peer}",
-                           "value": a["values"][key] / b["values"][key],
-                           "target": target if key != "model_states_mb" else None,
-                           "better": "lower"})
+        for key, what in (
+            ("step_ms", "step time"),
+            (memory_key, "peak memory per rank"),
+            ("model_states_mb", "model-state bytes per rank"),
+        ):
+            ratios.append(
+                {
+                    "label": f"{what}, {zs} / {peer}",
+                    "value": a["values"][key] / b["values"][key],
+                    "target": target if key != "model_states_mb" else None,
+                    "better": "lower",
+                }
+            )
     p = PRESETS[preset]
-    memory = ("peak torch.cuda.max_memory_allocated" if cuda else
-              "peak RSS (ru_maxrss of the rank's process, interpreter and imports included)")
-    setup = (f"transformers Llama from a config (hidden {p['hidden']}, intermediate "
-             f"{p['inter']}, {p['layers']} layers, {p['heads']} heads, {p['kv']} KV heads, vocab "
-             f"{p['vocab']}), {precision}, micro-batch {p['mb']} x {p['seq']} tokens per "
-             f"dp_shard rank, {NPROC} {'NCCL' if cuda else 'gloo'} ranks as (dp_shard "
-             f"{NPROC // TP} x tp {TP}), torch's parallelize_module over mesh['tp'] "
-             "(q/k/v/gate/up colwise, o/down rowwise), AdamW lr 1e-4; median of "
-             f"{steps} steps after {warmup} warm-up, the slowest rank's; {memory} and "
-             "model-state bytes (local shards of parameters, gradients, masters and optimizer "
-             "states) of the fullest rank; "
-             + ("all contenders in one torchrun job (--quick), so peak RSS accumulates"
-                if opts.quick else f"one torchrun job per contender, best of {rounds} "
-                                   "round(s) in alternating order"))
-    return {"key": "mesh", "title": f"Tensor parallelism x ZeRO: (dp_shard {NPROC // TP} x "
-                                    f"tp {TP}) on {NPROC} ranks",
-            "setup": setup, "rows": rows, "ratios": ratios}
+    memory = (
+        "peak torch.cuda.max_memory_allocated"
+        if cuda
+        else "peak RSS (ru_maxrss of the rank's process, interpreter and imports included)"
+    )
+    setup = (
+        f"transformers Llama from a config (hidden {p['hidden']}, intermediate "
+        f"{p['inter']}, {p['layers']} layers, {p['heads']} heads, {p['kv']} KV heads, vocab "
+        f"{p['vocab']}), {precision}, micro-batch {p['mb']} x {p['seq']} tokens per "
+        f"dp_shard rank, {NPROC} {'NCCL' if cuda else 'gloo'} ranks as (dp_shard "
+        f"{NPROC // TP} x tp {TP}), torch's parallelize_module over mesh['tp'] "
+        "(q/k/v/gate/up colwise, o/down rowwise), AdamW lr 1e-4; median of "
+        f"{steps} steps after {warmup} warm-up, the slowest rank's; {memory} and "
+        "model-state bytes (local shards of parameters, gradients, masters and optimizer "
+        "states) of the fullest rank; "
+        + (
+            "all contenders in one torchrun job (--quick), so peak RSS accumulates"
+            if opts.quick
+            else f"one torchrun job per contender, best of {rounds} round(s) in alternating order"
+        )
+    )
+    return {
+        "key": "mesh",
+        "title": f"Tensor parallelism x ZeRO: (dp_shard {NPROC // TP} x tp {TP}) on {NPROC} ranks",
+        "setup": setup,
+        "rows": rows,
+        "ratios": ratios,
+    }
 
 
 def _row(name: str, rounds: list[dict], cuda: bool) -> dict:
     failed = next((r for r in rounds if "error" in r), None)
-    row: dict[str, Any] = {"contender": LABELS[name], "name": name, "ok": failed is None,
-                           "error": failed["error"] if failed else None, "values": {}}
+    row: dict[str, Any] = {
+        "contender": LABELS[name],
+        "name": name,
+        "ok": failed is None,
+        "error": failed["error"] if failed else None,
+        "values": {},
+    }
     if failed:
         print(f"  mesh: {name}: FAILED {failed['error'][:200]}", flush=True)
         return row

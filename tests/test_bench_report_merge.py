@@ -17,16 +17,23 @@ def _report(command: str, when: str, sections: list[dict]) -> dict:
     run = {"command": command, "finished_utc": when, "wall_s": 10.0}
     for sec in sections:
         sec["produced"] = dict(run)
-    return {**run, "environment": {"machine": "m", "torch": "t", "deepspeed": "d"},
-            "sections": sections, "failed_sections": []}
+    return {
+        **run,
+        "environment": {"machine": "m", "torch": "t", "deepspeed": "d"},
+        "sections": sections,
+        "failed_sections": [],
+    }
 
 
 def test_only_replaces_its_sections_and_keeps_the_others():
     old = _report("python -m benchmarks", "day 1", [_section("s3", 1.0), _section("save", 2.0)])
     old["head_notes"] = ["an earlier note"]
     del old["sections"][1]["produced"]  # a report written before sections carried it
-    new = _report("python -m benchmarks --only save,mesh", "day 2",
-                  [_section("save", 3.0), _section("mesh", 4.0)])
+    new = _report(
+        "python -m benchmarks --only save,mesh",
+        "day 2",
+        [_section("save", 3.0), _section("mesh", 4.0)],
+    )
     out = rep.merged(old, new)
     assert [s["key"] for s in out["sections"]] == ["s3", "save", "mesh"]
     by_key = {s["key"]: s for s in out["sections"]}
@@ -46,13 +53,21 @@ def test_a_failed_rerun_replaces_the_old_failure_only():
     new = _report("b", "day 2", [])
     new["failed_sections"] = [{"key": "mesh", "error": "new"}]
     out = rep.merged(old, new)
-    assert out["failed_sections"] == [{"key": "mesh", "error": "new"},
-                                      {"key": "layout", "error": "old"}]
+    assert out["failed_sections"] == [
+        {"key": "mesh", "error": "new"},
+        {"key": "layout", "error": "old"},
+    ]
 
 
 def _round(step_s: float, rss: int) -> dict:
-    return {"step_s": step_s, "peak_device_bytes": None, "peak_rss_bytes": rss,
-            "model_state_bytes": 100, "last_loss": 2.0, "peak_rss_bytes_per_rank": [rss]}
+    return {
+        "step_s": step_s,
+        "peak_device_bytes": None,
+        "peak_rss_bytes": rss,
+        "model_state_bytes": 100,
+        "last_loss": 2.0,
+        "peak_rss_bytes_per_rank": [rss],
+    }
 
 
 def test_mesh_row_keeps_the_best_round_and_any_failure():

@@ -223,7 +223,8 @@ class StepReaderV2(StepBase):
                 scatter.append((out, read.copies))
         for i, got in zip(plain, self.read_many([requests[i] for i in plain]), strict=True):
             outs[i] = got
-        got = [data for data, req in zip(self._read_stored(stored), stored) if req[4] is None]
+        read = zip(self._read_stored(stored), stored, strict=True)
+        got = [data for data, request in read if request[4] is None]
         with torch.no_grad():
             for data, (out, copies) in zip(got, scatter, strict=True):
                 _scatter(out, data, copies)
