@@ -795,11 +795,13 @@ def _scatter(out: torch.Tensor, data: torch.Tensor, copies: tuple) -> None:
     A load at another tensor-parallel degree reads, for a tensor sharded on dimension 1 (a
     row-parallel weight), one stored range per piece and cuts it into one segment per
     outer row: a 512-row weight read by 4 ranks from 2 tp shards is 128 copies of 688
-    elements per shard and rank. One ``copy_`` per segment made those Python calls, not the
-    bytes, the load's cost (the report's layout row: 0.91 s against 0.17 s for ``cat``).
-    Segments of one length at one stride in ``out`` that follow each other in ``data`` are
-    one strided copy; a piece read that fills one range of ``out`` is read there directly,
-    without the scratch tensor and its copy."""
+    elements per shard and rank. Each piece was read into a scratch tensor (first touches,
+    then a second copy) and cut with one ``copy_`` per segment, about 9,000 per rank on the
+    report's layout row. Now segments of one length at one stride in ``out`` that follow
+    each other in ``data`` are one strided copy, and a piece read that fills one range of
+    ``out`` is read there directly. The layout row (296 MiB, 4 ranks, cold cache), the same
+    command run back to back before and after: 0.536 s against 0.331 s, with ``cat`` of the
+    same files at 0.095 s in both runs."""
     i, count = 0, len(copies)
     while i < count:
         at, src, n = copies[i]
