@@ -122,6 +122,12 @@ def open_tag(storage: Storage, tag: str, num_threads: int = 8) -> DeepSpeedStep:
             f"{url}: optimizer files of tensor-parallel ranks {sorted(by_mp)} (ranks missing)"
         )
     builders = [_open_mp(storage, prefix, url, names, mp, by_mp[mp]) for mp in sorted(by_mp)]
+    mp_world = builders[0].models[0].get("mp_world_size", 1)
+    if isinstance(mp_world, int) and mp_world != len(builders):
+        raise CorruptCheckpointError(
+            f"{url}: the model states say {mp_world} tensor-parallel ranks, optimizer files of "
+            f"{len(builders)} are present (files missing)"
+        )
     if len(builders) == 1:
         return builders[0].build(num_threads)
     from zerostate.store.foreign.deepspeed_tp import combine_tp

@@ -126,8 +126,10 @@ def _runs(
     neighbouring runs merged; every run is checked to lie in both tensors."""
     dims = _ints(piece.get("shape"), "piece shape", where)
     src, dst = piece.get("source"), piece.get("dest")
-    if not (isinstance(src, list | tuple) and isinstance(dst, list | tuple)) or len(src) != 2 or (
-        len(dst) != 2
+    if (
+        not (isinstance(src, list | tuple) and isinstance(dst, list | tuple))
+        or len(src) != 2
+        or (len(dst) != 2)
     ):
         raise CorruptCheckpointError(f"{where}: malformed piece source/dest in the affine map")
     s_off, d_off = _ints([src[0]], "offset", where)[0], _ints([dst[0]], "offset", where)[0]
