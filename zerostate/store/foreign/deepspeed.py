@@ -132,7 +132,7 @@ def open_tag(storage: Storage, tag: str, num_threads: int = 8) -> DeepSpeedStep:
         return builders[0].build(num_threads)
     from zerostate.store.foreign.deepspeed_tp import combine_tp
 
-    return combine_tp(builders, num_threads)
+    return combine_tp(builders, num_threads, DeepSpeedStep)
 
 
 def _open_mp(

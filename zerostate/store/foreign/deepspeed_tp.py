@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import bisect
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zerostate.errors import CorruptCheckpointError
-from zerostate.store.foreign.base import ForeignTensor, Segment
-
-if TYPE_CHECKING:
-    from zerostate.store.foreign.deepspeed import DeepSpeedStep, _Builder
+from zerostate.store.foreign.base import ForeignStep, ForeignTensor, Segment
 
 
-def combine_tp(builders: list[_Builder], num_threads: int) -> DeepSpeedStep:
-    """One step holding the full tensors of tensor-parallel ranks ``builders`` (in order)."""
-    from zerostate.store.foreign.deepspeed import DeepSpeedStep
-
+def combine_tp(builders: list[Any], num_threads: int, step_class: type[ForeignStep]) -> ForeignStep:
+    """One ``step_class`` holding the full tensors of tensor-parallel ranks ``builders``
+    (``zerostate.store.foreign.deepspeed``'s builders, in order)."""
     tp = len(builders)
     all_attrs = [b.build_attrs() for b in builders]
     first = builders[0]
@@ -59,7 +55,7 @@ def combine_tp(builders: list[_Builder], num_threads: int) -> DeepSpeedStep:
     attrs["deepspeed"].update(tp_world_size=tp, dp_world_size=dp)
     archives = [a for b in builders for a in (*b.model_archives, *b.optim_archives)]
     step = attrs["deepspeed"]["global_steps"]
-    return DeepSpeedStep(url, step, dp * tp, attrs, tensors, archives, num_threads)
+    return step_class(url, step, dp * tp, attrs, tensors, archives, num_threads)
 
 
 def _param_name(key: str) -> str:
