@@ -28,6 +28,13 @@ DEEPSPEED_CASES = [
     ("ds2-bf16-4", 4, {"stage": 2, "bf16": True}),
     ("ds3-bf16-4", 4, {"stage": 3, "bf16": True}),
 ]
+#: Tensor-parallel peers (tests/foreign/peers_tp.py): (name, kind, world size, writer's
+#: keyword arguments); DeepSpeed AutoTP at tp 2 (dp 1) and tp 2 x dp 2, Megatron-Core at tp 2.
+TP_CASES = [
+    ("dstp1-tp2", "deepspeed-tp", 2, {"stage": 1, "tp": 2}),
+    ("dstp2-tp2-dp2", "deepspeed-tp", 4, {"stage": 2, "tp": 2}),
+    ("mcore-tp2", "megatron", 2, {}),
+]
 #: Written for one test file each, not for every test of test_peers.py.
 OTHER_DEEPSPEED_CASES = [
     # a config without gradient_clipping: DeepSpeed clips at 1.0 (test_peer_settings.py)
@@ -45,6 +52,16 @@ class PeerCheckpoints:
     def get(self, name: str) -> tuple[Path, dict, int]:
         """``(path, {"after": [weights after each next step]}, world size)``; bf16 runs
         also give ``"losses"`` (the mean loss of each next step)."""
+        tp_case = next((c for c in TP_CASES if c[0] == name), None)
+        if tp_case is not None:
+            from tests.foreign import peers_tp
+
+            _, kind, world, kw = tp_case
+            if name not in self._made:
+                out = self.root / name
+                self._made[name] = (out, peers_tp.generate_tp(kind, out, world, **kw))
+            path, result = self._made[name]
+            return path, result, world
         if name == "dcp-2":
             kind, world, kw = "dcp", 2, {}
         else:

@@ -225,6 +225,13 @@ DCP_GLOBALS: dict[tuple[str, str], Any] = {
         )
     },
     (f"{_DCP}.filesystem", "_StorageInfo"): _record_class("_StorageInfo"),
+    # Megatron-Core's torch_dist keeps every rank's save plan in the metadata
+    # (``all_local_plans``, to reuse them on the next save): records, never read.
+    **{
+        (f"{_DCP}.planner", name): _record_class(name)
+        for name in ("SavePlan", "WriteItem", "TensorWriteData")
+    },
+    (f"{_DCP}.planner", "WriteItemType"): _enum_value,
     (f"{_DCP}._extension", "StreamTransformExtension"): _record_class("Extension"),
     (f"{_DCP}.metadata", "_MEM_FORMAT_ENCODING"): _enum_value,
     ("torch.serialization", "_get_layout"): _layout_name,

@@ -48,7 +48,7 @@ from zerostate.store.storage import Storage
 ALLOWED = {**TORCH_GLOBALS, **DEEPSPEED_GLOBALS}
 _TAG = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _STEP_TAG, _OPTIM = STEP_TAG, OPTIM_FILE
-_MODEL3 = re.compile(r"zero_pp_rank_(\d{1,6})_mp_rank_00_model_states\.pt")
+_MODEL3 = re.compile(r"zero_pp_rank_(\d{1,6})_mp_rank_(\d{2,6})_model_states\.pt")
 MODEL_FILE = "mp_rank_00_model_states.pt"
 
 
@@ -110,38 +110,73 @@ class DeepSpeedCheckpoint:
 def open_tag(storage: Storage, tag: str, num_threads: int = 8) -> DeepSpeedStep:
     prefix = f"{tag}/" if tag else ""
     names = storage.list_dir(tag)
-    optim = sorted(
-        ((int(m.group(2)), n) for n in names if (m := _OPTIM.fullmatch(n))), key=lambda x: x[0]
-    )
     url = storage.url_of(tag)
-    if not optim:
+    by_mp: dict[int, list[tuple[int, str]]] = {}
+    for n in names:
+        if m := _OPTIM.fullmatch(n):
+            by_mp.setdefault(int(m.group(3)), []).append((int(m.group(2)), n))
+    if not by_mp:
         raise CheckpointNotFoundError(f"{url} holds no DeepSpeed *_optim_states.pt files")
+    if sorted(by_mp) != list(range(len(by_mp))):
+        raise CorruptCheckpointError(
+            f"{url}: optimizer files of tensor-parallel ranks {sorted(by_mp)} (ranks missing)"
+        )
+    builders = [_open_mp(storage, prefix, url, names, mp, by_mp[mp]) for mp in sorted(by_mp)]
+    mp_world = builders[0].models[0].get("mp_world_size", 1)
+    if isinstance(mp_world, int) and mp_world != len(builders):
+        raise CorruptCheckpointError(
+            f"{url}: the model states say {mp_world} tensor-parallel ranks, optimizer files of "
+            f"{len(builders)} are present (files missing)"
+        )
+    if len(builders) == 1:
+        return builders[0].build(num_threads)
+    from zerostate.store.foreign.deepspeed_tp import combine_tp
+
+    return combine_tp(builders, num_threads, DeepSpeedStep)
+
+
+def _open_mp(
+    storage: Storage, prefix: str, url: str, names: list[str], mp: int,
+    optim: list[tuple[int, str]],
+) -> _Builder:  # fmt: skip
+    """The builder of tensor-parallel rank ``mp``'s files: its data-parallel ranks'
+    optimizer files and its model states (``mp_rank_<mp>``)."""
+    optim = sorted(optim)
     ranks = [r for r, _ in optim]
     if ranks != list(range(len(ranks))):
-        raise CorruptCheckpointError(f"{url}: optimizer files of ranks {ranks} (ranks missing)")
+        raise CorruptCheckpointError(
+            f"{url}: optimizer files of ranks {ranks} of mp rank {mp} (ranks missing)"
+        )
     optim_archives = [TorchArchive(storage, prefix + n, ALLOWED) for _, n in optim]
     optim_states = [_dict(a.load(), "optimizer_state_dict", a.url) for a in optim_archives]
     stage = int(optim_states[0].get("zero_stage", -1))
     if stage == 3:
-        models = sorted(
-            ((int(m.group(1)), n) for n in names if (m := _MODEL3.fullmatch(n))),
-            key=lambda x: x[0],
-        )
+        models = []
+        for n in names:
+            m = _MODEL3.fullmatch(n)
+            if m and int(m.group(2)) == mp:
+                models.append((int(m.group(1)), n))
+        models.sort()
         if [r for r, _ in models] != ranks:
             raise CorruptCheckpointError(f"{url}: stage 3 needs one model state file per rank")
         model_archives = [TorchArchive(storage, prefix + n, ALLOWED) for _, n in models]
     elif stage in (1, 2):
-        if MODEL_FILE not in names:
-            raise CorruptCheckpointError(f"{url} has no {MODEL_FILE}")
-        model_archives = [TorchArchive(storage, prefix + MODEL_FILE, ALLOWED)]
+        model_file = model_file_name(mp)
+        if model_file not in names:
+            raise CorruptCheckpointError(f"{url} has no {model_file}")
+        model_archives = [TorchArchive(storage, prefix + model_file, ALLOWED)]
     else:
         raise CorruptCheckpointError(f"{url}: unknown ZeRO stage {stage!r}")
     model_states = [a.load() for a in model_archives]
     for m, a in zip(model_states, model_archives, strict=True):
         if not isinstance(m, dict):
             raise CorruptCheckpointError(f"{a.url}: not a DeepSpeed model state")
-    builder = _Builder(url, stage, model_states, model_archives, optim_states, optim_archives)
-    return builder.build(num_threads)
+    return _Builder(url, stage, model_states, model_archives, optim_states, optim_archives)
+
+
+def model_file_name(mp: int) -> str:
+    """The stage 1-2 model states of tensor-parallel rank ``mp`` (DeepSpeed's ``:02d``)."""
+    return f"mp_rank_{mp:02d}_model_states.pt"
 
 
 class DeepSpeedStep(ForeignStep):
@@ -201,6 +236,16 @@ class _Builder:
         return _dict(self.optims[rank], key, self.optim_archives[rank].url)
 
     def build(self, num_threads: int) -> DeepSpeedStep:
+        attrs = self.build_attrs()
+        archives = [*self.model_archives, *self.optim_archives]
+        step = _int(self.models[0].get("global_steps"), 0)
+        return DeepSpeedStep(
+            self.url, step, self.world_size, attrs, self.tensors, archives, num_threads
+        )
+
+    def build_attrs(self) -> dict:
+        """Fills ``tensors`` (this tensor-parallel rank's logical tensors) and returns the
+        step's attrs."""
         model = self.models[0]
         groups = model.get("param_shapes")
         if not isinstance(groups, list):
@@ -252,16 +297,7 @@ class _Builder:
                 **({"update": _update_settings(config)} if config else {}),
             },
         }
-        archives = [*self.model_archives, *self.optim_archives]
-        return DeepSpeedStep(
-            self.url,
-            _int(model.get("global_steps"), 0),
-            self.world_size,
-            attrs,
-            self.tensors,
-            archives,
-            num_threads,
-        )
+        return attrs
 
     # ------------------------------------------------------------ trainable
     def _add(self, name: str, shape: tuple, dtype: torch.dtype, segments: list[Segment]) -> None:

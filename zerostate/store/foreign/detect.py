@@ -12,9 +12,10 @@ DCP_METADATA = ".metadata"
 #: torch's HuggingFaceStorageWriter files (DCP in safetensors, no ``.metadata``).
 HF_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 HF_SHARD_FILE = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
-#: DeepSpeed's tag directories and per-rank optimizer files.
+#: DeepSpeed's tag directories and per-rank optimizer files (groups: bf16 prefix, data-
+#: parallel rank, tensor-parallel rank).
 STEP_TAG = re.compile(r"global_step(\d{1,12})")
-OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d{1,6})_mp_rank_00_optim_states\.pt")
+OPTIM_FILE = re.compile(r"(bf16_)?zero_pp_rank_(\d{1,6})_mp_rank_(\d{2,6})_optim_states\.pt")
 
 
 def detect(storage: Storage) -> str | None:
