@@ -4,8 +4,11 @@ latest.json and PNG plots.
 
     python -m benchmarks                  # everything (about 10 minutes on 2 CPU cores)
     python -m benchmarks --quick          # tiny sizes (the smoke test)
-    python -m benchmarks --only save      # one row: step, save, load, s3 (save includes
-                                          # async save, load and consolidate)
+    python -m benchmarks --only save      # one row: step, save, load, s3, mesh, layout
+                                          # (save includes async save, load, consolidate)
+
+With ``--only``, the sections of this run replace the same sections of the report already
+in ``--out`` and the others stay, each saying which command produced it and when.
 
 Exit status: 0 when every contender ran and every number is finite, 1 otherwise.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 from benchmarks import report as rep
 from benchmarks.common import REPO, version_of
 
-ROWS = ("step", "save", "s3")
+ROWS = ("step", "save", "s3", "mesh", "layout")
 ALIASES = {"async": "save", "load": "save", "consolidate": "save"}
 
 
@@ -34,8 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="zerostate vs DDP, ZeroRedundancyOptimizer, DeepSpeed, FSDP2 and "
                     "torch.distributed.checkpoint, every row in one run")
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds per contender")
-    p.add_argument("--only", help="comma-separated rows: step,save,load,async,consolidate,s3 "
-                                  "(save, async, load and consolidate run together)")
+    p.add_argument("--only", help="comma-separated rows: step,save,load,async,consolidate,s3,"
+                                  "mesh,layout (save, async, load and consolidate run together); "
+                                  "the report keeps the other sections of the one in --out")
     p.add_argument("--contenders", help="step row: comma-separated subset, e.g. ddp,zs0")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks",
                    help="where latest.md, latest.json and the plots go")
@@ -97,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import s3
 
                 sections.append(s3.run(args))
+            elif row == "mesh":
+                from benchmarks import mesh_rows
+
+                sections.append(mesh_rows.run(args))
+            elif row == "layout":
+                from benchmarks import layout
+
+                sections.append(layout.run(args))
         except Exception as exc:  # one broken row must not lose the others' numbers
             traceback.print_exc()
             failed.append({"key": row, "error": f"{type(exc).__name__}: {exc}"})
@@ -113,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         "sections": sections,
         "failed_sections": failed,
     }
+    for sec in sections:
+        sec["produced"] = {k: report[k] for k in ("command", "finished_utc", "wall_s")}
+    if args.only:
+        report = rep.merged(rep.previous(args.out), report)
     rep.write(report, args.out)
     if args.update_readme and not rep.update_readme(report, REPO / "README.md"):
         print("README.md has no benchmark markers; not updated", file=sys.stderr)

@@ -17,10 +17,15 @@ torchtitan's Llama plan does for the blocks) and trains a few steps on random to
 * ``zerostate_pa``: the same with ``activation_checkpointing="partitioned"`` (ZeRO-R Pa);
 * ``zerostate_stage3``: ``stage=3``, FSDP2's partitioning.
 
-Per contender: median step time over the timed steps (the slowest rank's), peak device
-memory (``torch.cuda.max_memory_allocated``, the largest rank's; RSS is not meaningful on
-CPU and is not reported there) and the last loss. Rank 0 writes the JSON; a contender that
-fails is recorded with its error and the next one runs.
+Per contender: median step time over the timed steps (the slowest rank's), peak memory
+(the fullest rank's): ``torch.cuda.max_memory_allocated`` on CUDA, the process's peak RSS
+(``ru_maxrss``: interpreter and imports included) on CPU; model-state bytes per rank (the
+local shards of parameters, gradients, fp32 masters and optimizer states: zerostate's
+``memory_stats()["model_states"]``, counted from the live tensors for FSDP2) and the last
+loss. Peak RSS is a process's high-water mark, so it means something only with one contender
+per job: ``python -m benchmarks --only mesh`` (:func:`run`) starts a torchrun job per
+contender. Rank 0 writes the JSON; a contender that fails is recorded with its error and the
+next one runs.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from typing import Any
 PRESETS = {
     # hidden, intermediate, layers, heads, kv heads, vocab, micro-batch, sequence
     "tiny": dict(hidden=48, inter=100, layers=2, heads=4, kv=2, vocab=256, mb=2, seq=16),
+    # ~4M parameters: timing is the model's work, not per-step overhead, and every
+    # contender still finishes in well under a minute on 2 CPU cores (the report's row).
+    "cpu": dict(hidden=256, inter=688, layers=4, heads=8, kv=4, vocab=2048, mb=4, seq=64),
     "1b": dict(hidden=2048, inter=5632, layers=16, heads=16, kv=8, vocab=32000, mb=4, seq=2048),
 }
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
@@ -44,7 +52,8 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 CONTENDERS = ("fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa", "zerostate_stage3")
 
 
-def build(preset: dict, device: Any, tp_mesh: Any) -> Any:
+def build(preset: dict, device: Any, tp_mesh: Any | None) -> Any:
+    """The Llama of ``preset``, its blocks parallelized over ``tp_mesh`` (None: not at all)."""
     import torch
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -63,6 +72,8 @@ def build(preset: dict, device: Any, tp_mesh: Any) -> Any:
     cfg._attn_implementation = "sdpa"
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
+    if tp_mesh is None:
+        return model
     plan = {}
     for i in range(len(model.model.layers)):
         plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
@@ -103,7 +114,25 @@ def run_fsdp2(model: Any, mesh: Any, dtype: Any, ac: bool) -> tuple[Any, Any]:
         opt.step()
         return loss.detach()
 
-    return step, model
+    return step, model, lambda: fsdp2_model_state_bytes(model, opt)
+
+
+def fsdp2_model_state_bytes(model: Any, opt: Any) -> int:
+    """This rank's bytes of parameters, gradients and optimizer states, as the local
+    tensors of their DTensors (what zerostate's ``memory_stats()`` counts for itself)."""
+    import torch
+
+    def local(t: Any) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = 0
+    for p in model.parameters():
+        total += local(p) + local(p.grad)
+        total += sum(local(v) for v in opt.state.get(p, {}).values())
+    return total
 
 
 def run_zerostate(model: Any, mesh: Any, precision: str, stage: int, ac: str | None):
@@ -120,7 +149,7 @@ def run_zerostate(model: Any, mesh: Any, precision: str, stage: int, ac: str | N
         engine.step()
         return loss.detach()
 
-    return step, engine
+    return step, engine, lambda: engine.memory_stats()["model_states"]
 
 
 def measure(name: str, args: argparse.Namespace, mesh: Any, device: Any) -> dict:
@@ -137,11 +166,11 @@ def measure(name: str, args: argparse.Namespace, mesh: Any, device: Any) -> dict
         torch.cuda.reset_peak_memory_stats(device)
     model = build(preset, device, mesh["tp"])
     if name.startswith("fsdp2"):
-        step, owner = run_fsdp2(model, mesh, dtype, ac=name.endswith("_ac"))
+        step, owner, states = run_fsdp2(model, mesh, dtype, ac=name.endswith("_ac"))
     else:
         ac = "partitioned" if name.endswith("_pa") else None
         stage = 3 if name.endswith("_stage3") else args.stage
-        step, owner = run_zerostate(model, mesh, args.precision, stage, ac)
+        step, owner, states = run_zerostate(model, mesh, args.precision, stage, ac)
     times, loss = [], None
     for i, x in enumerate(data):
         if cuda:
@@ -153,16 +182,31 @@ def measure(name: str, args: argparse.Namespace, mesh: Any, device: Any) -> dict
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if cuda else 0
-    row = torch.tensor([statistics.median(times), float(peak)], dtype=torch.float64).to(device)
-    dist.all_reduce(row, op=dist.ReduceOp.MAX)  # the slowest / fullest rank
+    mine = [statistics.median(times), float(peak), float(peak_rss_bytes()), float(states())]
+    per_rank = torch.zeros(dist.get_world_size(), len(mine), dtype=torch.float64, device=device)
+    per_rank[dist.get_rank()] = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(per_rank)  # every rank's row, on every rank
     if hasattr(owner, "close"):
         owner.close()
-    del model, owner, step
+    del model, owner, step, states
+    worst = per_rank.max(dim=0).values  # the slowest / fullest rank
     return {
-        "step_s": float(row[0]),
-        "peak_device_bytes": int(row[1]) if cuda else None,
+        "step_s": float(worst[0]),
+        "peak_device_bytes": int(worst[1]) if cuda else None,
+        "peak_rss_bytes": int(worst[2]),
+        "peak_rss_bytes_per_rank": [int(v) for v in per_rank[:, 2].tolist()],
+        "model_state_bytes": int(worst[3]),
+        "model_state_bytes_per_rank": [int(v) for v in per_rank[:, 3].tolist()],
+        "step_s_per_rank": [float(v) for v in per_rank[:, 0].tolist()],
         "last_loss": float(loss),
     }
+
+
+def peak_rss_bytes() -> int:
+    """This process's high-water resident set size (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main() -> None:

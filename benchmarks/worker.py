@@ -20,6 +20,8 @@ TASKS = {
     "load": "benchmarks.ckpt:load",
     "s3": "benchmarks.s3:transfer",
     "parity": "benchmarks.gpu:parity",
+    "layout_save": "benchmarks.layout:save",
+    "layout_load": "benchmarks.layout:load",
 }
 
 

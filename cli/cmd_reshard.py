@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from zerostate_cli.common import (
+    CliError,
     add_checkpoint_args,
     add_output_args,
     arg_type,
@@ -35,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         dest="world_size",
         required=True,
         type=arg_type(positive_int),
-        help="number of data-parallel ranks to lay the step out for",
+        help="number of data-parallel ranks to lay the step out for (with --dp-replicate, "
+        "every replica's ranks together)",
     )
     parser.add_argument(
         "--tp",
@@ -43,6 +45,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="tensor-parallel degree (default 1): the step is laid out for TP x DP ranks, "
         "each tensor the source stores in tensor-parallel pieces split along the same dim",
+    )
+    parser.add_argument(
+        "--dp-replicate",
+        type=arg_type(positive_int),
+        default=1,
+        help="replicas of a hybrid-sharded job (default 1): --dp then counts every replica's "
+        "ranks together (as in `estimate`), and the step is laid out for one replica's "
+        "dp / dp_replicate ranks, the step such a job saves and every replica reads",
     )
     parser.add_argument(
         "--min-shard-numel",
@@ -73,13 +83,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from zerostate.store.reshard import reshard
 
+    if args.world_size % args.dp_replicate:
+        raise CliError(
+            f"--dp {args.world_size} does not split into --dp-replicate {args.dp_replicate} "
+            "replicas; --dp counts every data-parallel rank (dp_replicate x dp_shard)",
+            exit_code=2,
+        )
+    dp_shard = args.world_size // args.dp_replicate
     src_options = storage_options(args, args.ckpt, "src")
     dst_options = storage_options(args, args.out, "dst")
     with progress_bar(args, "reshard") as progress:
         result = reshard(
             open_source(args, "src"),
             args.out,
-            args.world_size,
+            dp_shard,
             step=args.step,
             min_shard_numel=args.min_shard_numel,
             default_min_shard_numel=DEFAULT_MIN_SHARD_NUMEL,
@@ -98,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
                 "num_tensors": result.num_tensors,
                 "total_bytes": result.total_bytes,
                 "out": args.out,
+                "tp": args.tp,
+                "dp_replicate": args.dp_replicate,
             }
         )
         return 0
@@ -106,4 +125,9 @@ def run(args: argparse.Namespace) -> int:
         f"{result.world_size}, {result.num_tensors} tensors, "
         f"{human_bytes(result.total_bytes)} -> {args.out}"
     )
+    if args.dp_replicate > 1:
+        print(
+            f"laid out for (dp_replicate {args.dp_replicate} x dp_shard {dp_shard} x tp "
+            f"{args.tp}): one replica's step, which every replica reads"
+        )
     return 0

@@ -63,7 +63,7 @@ def test_every_contender_ran(quick_run):
     assert not report["failed_sections"], report["failed_sections"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     keys = [s["key"] for s in report["sections"]]
-    assert keys == ["step", "save", "async", "load", "consolidate", "s3"]
+    assert keys == ["step", "save", "async", "load", "consolidate", "s3", "mesh", "layout"]
     step = next(s for s in report["sections"] if s["key"] == "step")
     assert {r["contender"] for r in step["rows"]} == STEP_CONTENDERS
 
@@ -78,6 +78,8 @@ def test_every_number_present_and_finite(quick_run):
         "load": {"seconds"},
         "consolidate": {"seconds", "peak_rss_mb"},
         "s3": {"MiB", "seconds", "MiB_per_s"},
+        "mesh": {"step_ms", "peak_rss_mb", "model_states_mb", "last_loss"},
+        "layout": {"MiB", "seconds"},
     }
     for sec in report["sections"]:
         for row in sec["rows"]:

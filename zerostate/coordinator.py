@@ -6,16 +6,28 @@ together] in zerostate.checkpoint). The calls that do it live in :mod:`zerostate
 as free functions taking the process group, rank, world size and device every time; a
 :class:`Coordinator` binds them once, so the checkpoint sessions (and any other component)
 speak of the group in one line per phase.
+
+[Note: one coordinator]
+The engine binds its coordinator once, when it is built, and every component that needs
+control traffic over the engine's group gets it from there: the stage-3 runtime (its
+forward-order checks), the checkpointer (its save and load phases), ``load_pretrained``
+and the engine's own arrivals. What differs between them is derived, not rebound: the
+error a rank raises when another one failed (:meth:`Coordinator.with_errors`) and, for
+the ranks of another group of the same engine (the replicas of a hybrid-sharded mesh, the
+ranks that save a tensor-parallel checkpoint together), :meth:`Coordinator.over`. Control
+traffic that recurs at every step is counted in the engine's communication counters
+(``exchange(..., every_step=True)``); a save's or a load's is not.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from zerostate import collectives
+from zerostate.collectives import CommStats
 from zerostate.errors import ZerostateError
 
 
@@ -35,24 +47,31 @@ class Coordinator:
     """What the ranks that succeeded raise when another rank failed."""
     note: str = ""
     """Appended to that error's message (what the failure means, e.g. nothing committed)."""
+    stats: CommStats | None = None
+    """The engine's communication counters, where the exchanges that recur at every step
+    are counted ([Note: one coordinator]); None: nothing is counted."""
 
     @classmethod
     def of(
         cls, engine: Any, *, error_cls: type[Exception], note: str = "", world: Any = None
     ) -> Coordinator:
-        """The coordinator of ``engine``'s data-parallel process group, or of ``world``
-        (an object with ``group``, ``rank`` and ``world_size``: the ranks that save a
-        tensor-parallel checkpoint together)."""
-        world = engine if world is None else world
-        return cls(
-            group=world.group,
-            rank=world.rank,
-            world_size=world.world_size,
-            device=engine.device,
-            arrival_timeout_s=engine.config.collective_timeout_s,
-            error_cls=error_cls,
-            note=note,
-        )
+        """``engine``'s coordinator ([Note: one coordinator]) raising ``error_cls``, or
+        its coordinator of ``world`` (an object with ``group``, ``rank`` and
+        ``world_size``: the ranks that save a tensor-parallel checkpoint together)."""
+        base = engine.coordinator
+        if world is not None:
+            base = base.over(world.group, world.rank, world.world_size)
+        return base.with_errors(error_cls, note)
+
+    def with_errors(self, error_cls: type[Exception], note: str = "") -> Coordinator:
+        """This coordinator, raising ``error_cls`` (with ``note``) where another rank failed."""
+        return replace(self, error_cls=error_cls, note=note)
+
+    def over(self, group: Any, rank: int, world_size: int) -> Coordinator:
+        """The coordinator of another group this process belongs to (this rank's ``rank`` in
+        it, its ``world_size``), on the same device and arrival deadline. Its exchanges
+        are not counted: the engine's counters are of its own group."""
+        return replace(self, group=group, rank=rank, world_size=world_size, stats=None)
 
     def arrive(self, what: str) -> None:
         """Wait until every rank entered call ``what`` ([Note: arrival deadline] in
@@ -68,10 +87,15 @@ class Coordinator:
     def barrier(self) -> None:
         collectives.barrier(group=self.group)
 
-    def exchange(self, row: list[int]) -> list[list[int]]:
-        """Every rank's ``row`` of integers, in rank order (one all-gather)."""
+    def exchange(self, row: list[int], *, every_step: bool = False) -> list[list[int]]:
+        """Every rank's ``row`` of integers, in rank order (one all-gather). ``every_step``:
+        traffic that recurs at every training step, counted in :attr:`stats`."""
         return collectives.exchange(
-            row, group=self.group, world_size=self.world_size, device=self.device
+            row,
+            group=self.group,
+            world_size=self.world_size,
+            device=self.device,
+            stats=self.stats if every_step else None,
         )
 
     def agree(self, error: BaseException | None, what: str) -> None:

@@ -46,6 +46,7 @@ from zerostate.checkpoint import (  # imported here, not on the first save or lo
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig, check_setting_names
+from zerostate.coordinator import Coordinator
 from zerostate.engine_state import (
     ENGINE_STATE_VERSION,
     LoadPlan,
@@ -72,7 +73,6 @@ from zerostate.runtime import tp, tp_checkpoint, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
-from zerostate.store.root import CheckpointRoot
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -294,6 +294,18 @@ class Engine:
         self.stage = config.stage
         self.dtype = config.working_dtype
         self._stats = CommStats()
+        #: The control collectives of the engine's group, bound once and shared by the
+        #: runtime, the checkpointer and load_pretrained ([Note: one coordinator]).
+        self.coordinator = Coordinator(
+            group=group,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=device,
+            arrival_timeout_s=config.collective_timeout_s,
+            stats=self._stats,
+        )
+        #: The same over dp_replicate, for [Note: one replica writes]; None without it.
+        self._replica_coordinator = meshes.replica_coordinator(self._mesh, self.coordinator)
         self._pool = BufferPool(device)
         self._ctx = CommContext(
             group=group,
@@ -340,7 +352,11 @@ class Engine:
                     collectives.broadcast_from_first(states, group=group)
 
         self._runtime = GroupRuntime(
-            self._ctx, self._params, stage=self.stage, bucket_numel=self._bucket_numel
+            self._ctx,
+            self._params,
+            stage=self.stage,
+            bucket_numel=self._bucket_numel,
+            coordinator=self.coordinator,
         )
         self._runtime.setup(model, config)
         self._trainable = self._runtime.trainable
@@ -490,13 +506,7 @@ class Engine:
 
     def _arrive(self, what: str) -> None:
         """See [Note: arrival deadline] in zerostate.collectives."""
-        collectives.arrive(
-            what,
-            group=self.group,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout_s=self.config.collective_timeout_s,
-        )
+        self.coordinator.arrive(what)
 
     def _refuse_unset(self) -> None:
         names = sorted(self._unset)
@@ -854,13 +864,13 @@ class Engine:
         def skipped() -> SaveHandle:
             if blocking:
                 return SaveHandle(number, path, None, 0.0)  # replica 0's verdict follows
-            root = CheckpointRoot.open(path, storage_options)
+            root = self._ckpt().roots.open(path, storage_options)  # the engine's root object
             watch = meshes.watch_commit(
                 lambda: root.is_committed(number), f"step {number}", self._ckpt().timeout_s
             )
             return SaveHandle(number, path, watch, 0.0)
 
-        return meshes.save_on_first_replica(self._mesh, save, skipped, self.device)
+        return meshes.save_on_first_replica(self._replica_coordinator, save, skipped)
 
     def load(
         self,

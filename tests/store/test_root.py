@@ -1,5 +1,6 @@
 """The checkpoint-root object: one open storage per root, the save guard from one listing,
-retention through the same object; engine.save opens its root once."""
+retention through the same object; an engine opens each root once for its life and keeps
+the save guard's memory per root."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from helpers_dist import run_distributed
 from torch import nn
+from world_of_one import world_of_one  # noqa: F401 - fixture
 
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.store import (
@@ -151,18 +153,22 @@ def _count_saves(zerostate, path: str, counts: dict) -> dict:
     model[0].weight.requires_grad_(False)  # frozen: the save plans references to it
     engine = zerostate.Engine(model, stage=3)
     out = {}
+    counts.update(storages=0, root_listings=0)
     for i in range(3):
         engine.backward(engine(torch.ones(3, 6)).square().mean())
         engine.step()
-        counts.update(storages=0, root_listings=0)
+        listed = counts["root_listings"]
         engine.save(path, keep_last=2)
-        out[f"save{i}"] = dict(counts)
+        out[f"save{i}"] = {"root_listings": counts["root_listings"] - listed}
+    out["storages"] = counts["storages"]  # over the three saves
     engine.backward(engine(torch.ones(3, 6)).square().mean())
     engine.step()
     counts.update(storages=0, root_listings=0)
     engine.save(path, keep_last=2, blocking=False).wait()
     out["async"] = dict(counts)
+    out["roots_open"] = len(engine._ckpt().roots)
     engine.close()
+    out["roots_after_close"] = len(engine._ckpt().roots)
     with open_checkpoint(path).step() as st:
         out["refs"] = sorted(st.refs)
     out["steps"] = open_checkpoint(path).steps()
@@ -172,8 +178,12 @@ def _count_saves(zerostate, path: str, counts: dict) -> dict:
 def test_engine_save_opens_its_root_once_and_lists_it_only_on_rank_0(tmp_path: Path) -> None:
     results = run_distributed(_counting_worker, 2, str(tmp_path), timeout=180)
     for rank, r in enumerate(results):
+        # One root object for the engine's life ([Note: one root per location]): the
+        # first save opens its storage, the later ones (async included) reuse it.
+        assert r["storages"] == 1, (rank, r)
+        assert r["async"]["storages"] == 0, (rank, r)
+        assert (r["roots_open"], r["roots_after_close"]) == (1, 0), (rank, r)
         for key in ("save0", "save1", "save2", "async"):
-            assert r[key]["storages"] == 1, (rank, key, r[key])
             # Rank 0 lists the root once, in the save guard, and retention reuses that
             # listing ([Note: one scan per save]); the others take what they need (the
             # latest step) from rank 0's listing.
@@ -184,3 +194,49 @@ def test_engine_save_opens_its_root_once_and_lists_it_only_on_rank_0(tmp_path: P
         # The frozen weight is referred to from the step that holds it (the guard's
         # latest step reached every rank).
         assert r["refs"] == ["model/0.weight"]
+
+
+def _trained(seed: int):
+    import zerostate
+
+    torch.manual_seed(seed)
+    engine = zerostate.Engine(nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 2)), stage=2)
+    engine.backward(engine(torch.ones(3, 6)).square().mean())
+    engine.step()
+    return engine
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_each_root_keeps_its_own_guard_memory_and_one_storage(tmp_path: Path, monkeypatch) -> None:
+    from zerostate.store import local
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    other = _trained(1)  # another run, same model: its steps are the newest in both roots
+    other.save(str(a), step=50)
+    other.save(str(b), step=100)
+    other.close()
+
+    opened: list[str] = []
+    init = local.LocalStorage.__init__
+
+    def counted_init(self, root, *args, **kwargs):
+        init(self, root, *args, **kwargs)
+        opened.append(os.path.realpath(self.root))
+
+    monkeypatch.setattr(local.LocalStorage, "__init__", counted_init)
+    engine = _trained(2)
+    engine.load(str(a))  # continues that run in root a: a is this run's own
+    engine.save(str(a), step=7)  # older than 50, accepted: resuming this run in a
+    # What this engine did in a says nothing of b: b's newest step is another run's.
+    with pytest.raises(ConfigError, match="newer than step 8"):
+        engine.save(str(b), step=8)
+    assert not (b / fmt.step_dir(8)).exists()
+    # Another spelling of a is the same root, still this run's own.
+    engine.save(os.path.relpath(a) + "/./", step=9)
+    assert opened.count(str(a.resolve())) == 1, opened  # load and two saves: one storage
+    assert opened.count(str(b.resolve())) == 1, opened
+    assert len(engine._ckpt().roots) == 2
+    engine.close()
+    assert len(engine._ckpt().roots) == 0
+    assert open_checkpoint(str(a)).steps() == [7, 9, 50]
+    assert open_checkpoint(str(b)).steps() == [100]

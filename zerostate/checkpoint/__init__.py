@@ -35,9 +35,10 @@ On a GPU the deferred copy runs on a side stream created on the state's device, 
 background thread (a fresh thread's current device is 0, which is not every local rank's).
 
 The package: :class:`Checkpointer` (here) is the engine's facade; ``save.py`` and ``load.py``
-hold one session per call, ``async_save.py`` the snapshot fence, background writer and
-:class:`SaveHandle`, ``state.py`` the JSON state, RNG and model config, ``foreign.py`` the
-fitting of a peer's step (DeepSpeed, DCP) to the loading engine.
+hold one session per call, ``roots.py`` the roots the engine keeps (one per location),
+``async_save.py`` the snapshot fence, background writer and :class:`SaveHandle`,
+``state.py`` the JSON state, RNG and model config, ``foreign.py`` the fitting of a peer's
+step (DeepSpeed, DCP) to the loading engine.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ import torch
 from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle, Snapshots
 from zerostate.checkpoint.foreign import fit_foreign_step, open_any_step, regroup
 from zerostate.checkpoint.load import LoadSession
-from zerostate.checkpoint.save import RootMemory, SaveSession
+from zerostate.checkpoint.roots import EngineRoots
+from zerostate.checkpoint.save import SaveSession
 from zerostate.checkpoint.state import (
     check_stateful,
     digest,
@@ -96,7 +98,9 @@ class Checkpointer:
 
     A thin facade: each call runs a :class:`~zerostate.checkpoint.save.SaveSession` or a
     :class:`~zerostate.checkpoint.load.LoadSession` over what lives as long as the engine
-    (the background writer, the snapshot buffers and fence, the roots it used)."""
+    (the background writer, the snapshot buffers and fence, the roots it used: one
+    :class:`~zerostate.store.root.CheckpointRoot` per location, see [Note: one root per
+    location] in zerostate.checkpoint.roots)."""
 
     def __init__(self, engine: Any, *, timeout_s: float | None = None) -> None:
         self.engine = engine
@@ -115,7 +119,7 @@ class Checkpointer:
         )
         self.saves = BackgroundSaves(self)
         self.snapshots = Snapshots()
-        self.roots = RootMemory()
+        self.roots = EngineRoots()
         self._closed = False
 
     @property
@@ -220,8 +224,12 @@ class Checkpointer:
             )
 
     def close(self) -> None:
-        """Wait for the in-flight save, re-raise its error, stop the thread; idempotent."""
+        """Wait for the in-flight save, re-raise its error, stop the thread and release the
+        roots; idempotent."""
         if self._closed:
             return
         self._closed = True
-        self.saves.close()
+        try:
+            self.saves.close()
+        finally:
+            self.roots.close()

@@ -19,9 +19,10 @@ from zerostate.store.sources import open_source
 
 
 def open_any_step(
-    engine: Any, path: str, step: int | None, storage_options: dict | None
+    engine: Any, path: Any, step: int | None, storage_options: dict | None = None
 ) -> tuple[Any, dict]:
-    """Open step ``step`` of the checkpoint at ``path`` in any readable format (zerostate,
+    """Open step ``step`` of the checkpoint at ``path`` (a path, URL or the engine's open
+    :class:`~zerostate.store.root.CheckpointRoot`) in any readable format (zerostate,
     DeepSpeed ZeRO, DCP): ``(the step, its engine-state document)``; a peer's document is a
     copy fitted to ``engine`` (see :func:`fit_foreign_step`)."""
     st = open_source(path, storage_options=storage_options).step(step)

@@ -16,7 +16,7 @@ import torch
 
 from zerostate import peer_settings
 from zerostate.checkpoint.foreign import open_any_step
-from zerostate.checkpoint.save import RootMemory
+from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import check_stateful, left_behind, restore_rng, saved_rank_state
 from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError
@@ -34,7 +34,7 @@ class LoadSession:
         path: str,
         *,
         coordinator: Coordinator,
-        roots: RootMemory,
+        roots: EngineRoots,
         settle: Callable[[], None],
         step: int | None,
         storage_options: dict | None,
@@ -56,7 +56,8 @@ class LoadSession:
         error, st, restore, left, read_whole, undo, plan = None, None, None, [], set(), None, None
         try:
             self._settle()  # the save in flight finishes, its snapshot is taken
-            st, document = open_any_step(engine, path, self._step, self._storage_options)
+            root = self._roots.open(path, self._storage_options)  # [Note: one root per location]
+            st, document = open_any_step(engine, root, self._step)
             # [Note: planned load]: every check runs before anything in the engine changes.
             plan = engine.plan_load(
                 document, st.tensors, strict=self._strict, where=path, step=st.step
@@ -92,7 +93,7 @@ class LoadSession:
         finally:
             if st is not None:
                 st.close()  # its read threads wait for the next load ([Note: pool reuse])
-        self._roots.remember(path)
+        self._roots.memory(path).own = True  # resuming this run ([Note: save target])
         if self.rank == 0:
             self._warn(st, plan, left)
         return st.attrs.get("client_state")

@@ -12,13 +12,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from zerostate import jsonstate
 from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle
+from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import (
     check_stateful,
     digest,
@@ -27,7 +27,7 @@ from zerostate.checkpoint.state import (
     transformers_config,
 )
 from zerostate.coordinator import Coordinator
-from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError, ZerostateError
+from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError
 from zerostate.frozen import RANK_STATE_KEY as FROZEN_KEY
 from zerostate.frozen import adapter_attrs, plan_frozen
 from zerostate.runtime.tp_checkpoint import saved_piece
@@ -42,27 +42,6 @@ OK, FAILED, EXISTS, REFUSED, NEWER = 0, 1, 2, 3, 4
 
 #: ``snapshot(pieces, blocking) -> (host shards, deferred copy or None)``.
 Snapshot = Callable[[list[Piece], bool], tuple[dict[str, torch.Tensor], Callable[[], None] | None]]
-
-
-@dataclass(slots=True)
-class RootMemory:
-    """What one engine remembers of the roots it used (the save guard's memory, see
-    [Note: save target] in zerostate.store.root)."""
-
-    checked: set[str] = field(default_factory=set)
-    """Roots whose model shapes the guard already compared with this engine's."""
-    own: set[str] = field(default_factory=set)
-    """Roots this engine loaded from or committed to: saving an older step there is
-    resuming or rewinding this run, not landing beside another run's steps."""
-
-    def remember(self, path: str) -> None:
-        """Mark the root at ``path`` this run's own (after a load from it)."""
-        from zerostate.store.storage import canonical_location
-
-        try:
-            self.own.add(canonical_location(path))
-        except ZerostateError:
-            pass
 
 
 def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
@@ -110,7 +89,7 @@ class SaveSession:
         path: str,
         *,
         coordinator: Coordinator,
-        roots: RootMemory,
+        roots: EngineRoots,
         saves: BackgroundSaves,
         snapshot: Snapshot,
         timeout_s: float,
@@ -219,8 +198,9 @@ class SaveSession:
         code, save_id, latest, error, refusal = OK, 0, -1, None, None
         try:
             self._saves.wait()  # one save in flight; surfaces a previous background failure
-            # The root is opened once, here, and every part of the save uses it.
-            root = CheckpointRoot.open(self.path, self._storage_options)
+            # The engine's root object of this location, opened by its first save or load
+            # there ([Note: one root per location]); every part of the save uses it.
+            root = self._roots.open(self.path, self._storage_options)
             if self.rank == 0:
                 code, save_id, latest, refusal = self._check_root(root)
         except Exception as exc:  # reported to every rank below, then re-raised here
@@ -272,15 +252,15 @@ class SaveSession:
         or -1, refusal)`` from one listing of the root. The model check runs once per root
         per engine; a newer committed step is refused unless this engine loaded from or
         saved to the root (then it is this run's own, see [Note: save target])."""
-        shapes = None
-        if root.location not in self._roots.checked:
+        shapes, memory = None, root.memory
+        if not memory.shapes_checked:
             shapes = {v.name: tuple(v.shape) for v in self.views if v.name.startswith("model/")}
-        newer_ok = self._allow_older_step or root.location in self._roots.own
+        newer_ok = self._allow_older_step or memory.own
         check = root.check_save(self.step, model_shapes=shapes, newer_ok=newer_ok)
         latest = -1 if check.latest is None else check.latest
         if check.refusal is not None:
             return REFUSED, 0, latest, check.refusal
-        self._roots.checked.add(root.location)
+        memory.shapes_checked = True
         if check.newer is not None:
             return NEWER, check.newer, latest, None
         if check.exists:
@@ -303,7 +283,7 @@ class SaveSession:
         except Exception as exc:
             error = exc
         self.coordinator.agree(error, f"committing step {step}")
-        self._roots.own.add(root.location)
+        root.memory.own = True
 
     def _finish(
         self, root: CheckpointRoot, writer: Any, shards: dict, copy: Callable[[], None] | None
@@ -321,6 +301,6 @@ class SaveSession:
             raise
         # Only a committed step makes the root this run's own ([Note: save target]); a
         # failed save leaves the root's newest step another run's.
-        self._roots.own.add(root.location)
+        root.memory.own = True
         if self.rank == 0:
             retain(root, self.step, self._keep_last)

@@ -57,6 +57,7 @@ import torch
 from zerostate import collectives
 from zerostate.collectives import KINDS, CommStats
 from zerostate.comm import Replicas
+from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError, CommitTimeoutError, ConfigError
 from zerostate.runtime.tp import TensorParallel
 
@@ -171,12 +172,24 @@ def broadcast_from_first(tensors: list[torch.Tensor], plan: MeshPlan) -> None:
     collectives.broadcast_from_first(tensors, group=plan.shard_group)
 
 
+def replica_coordinator(plan: MeshPlan | None, coordinator: Coordinator) -> Coordinator | None:
+    """The engine's ``coordinator`` over the ``dp_replicate`` group, raising
+    :class:`CheckpointError` where a replica failed ([Note: one coordinator] in
+    zerostate.coordinator); None without replicas."""
+    replicas = None if plan is None else plan.replicas
+    if replicas is None:
+        return None
+    return coordinator.over(replicas.group, replicas.rank, replicas.size).with_errors(
+        CheckpointError
+    )
+
+
 def save_on_first_replica(
-    plan: MeshPlan, save: Callable[[], Any], skipped: Callable[[], Any], device: torch.device
+    replicas: Coordinator | None, save: Callable[[], Any], skipped: Callable[[], Any]
 ) -> Any:
     """``save()`` on replica 0, ``skipped()`` on the others, and one verdict for all
-    ([Note: one replica writes])."""
-    replicas = plan.replicas
+    ([Note: one replica writes]); ``replicas``: the coordinator of the ``dp_replicate``
+    group (:func:`replica_coordinator`), None without one."""
     if replicas is None:
         return save()
     result, error = None, None
@@ -187,15 +200,7 @@ def save_on_first_replica(
             error = exc
     else:
         result = skipped()
-    collectives.agree(
-        error,
-        "save (written by replica 0 of dp_replicate)",
-        group=replicas.group,
-        rank=replicas.rank,
-        world_size=replicas.size,
-        device=device,
-        error_cls=CheckpointError,
-    )
+    replicas.agree(error, "save (written by replica 0 of dp_replicate)")
     return result
 
 

@@ -65,6 +65,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zerostate import collectives
 from zerostate.comm import CommContext, InFlight, all_gather_groups
+from zerostate.coordinator import Coordinator
 from zerostate.errors import DistributedMismatchError, ZerostateError
 from zerostate.runtime.grad_stand_in import where_grads_are
 from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
@@ -104,9 +105,18 @@ class GroupRuntime:
     """Every parameter group of one engine and the order they run in."""
 
     def __init__(
-        self, ctx: CommContext, params: list[ShardedParam], *, stage: int, bucket_numel: int
+        self,
+        ctx: CommContext,
+        params: list[ShardedParam],
+        *,
+        stage: int,
+        bucket_numel: int,
+        coordinator: Coordinator,
     ) -> None:
         self.ctx = ctx
+        #: The engine's control collectives over ``ctx.group`` ([Note: one coordinator] in
+        #: zerostate.coordinator): the forward-order checks of stage 3 go through it.
+        self.coordinator = coordinator
         self.params = params
         self.trainable = [sp for sp in params if sp.trainable]
         self.stage = stage
@@ -336,13 +346,7 @@ class GroupRuntime:
         self._exchange(_END, signature)
 
     def _exchange(self, kind: int, value: int) -> None:
-        rows = collectives.exchange(
-            [kind, value],
-            group=self.ctx.group,
-            world_size=self.ctx.world_size,
-            device=self.ctx.device,
-            stats=self.ctx.stats,
-        )
+        rows = self.coordinator.exchange([kind, value], every_step=True)
         if all(r == rows[0] for r in rows):
             return
         wanted = {}

@@ -199,7 +199,9 @@ class StepReaderV2(StepBase):
 
     def _read_many_meshes(self, requests: list[tuple]) -> list[torch.Tensor]:
         """Logical reads of mesh tensors become reads of their stored arrays' pieces, one per
-        piece and request, cut into place afterwards; other requests are read as usual."""
+        piece and request; a piece read that is one contiguous range of the result lands
+        there directly, the others are cut into place afterwards ([Note: mesh scatter]);
+        other requests are read as usual."""
         outs: list[Any] = [None] * len(requests)
         plain: list[int] = []
         stored: list[tuple] = []
@@ -212,15 +214,20 @@ class StepReaderV2(StepBase):
             start, stop, out = self._check_range(self.tensors[name], start, stop, out)
             outs[i] = out
             for read in mesh_mod.piece_reads(mesh, info.layout.chunk_numel, start, stop):
-                stored.append((_STORED, name, read.start, read.stop))
+                n = read.stop - read.start
+                if len(read.copies) == 1 and read.copies[0][1:] == (0, n):
+                    at = read.copies[0][0]
+                    stored.append((_STORED, name, read.start, read.stop, out[at : at + n]))
+                    continue
+                stored.append((_STORED, name, read.start, read.stop, None))
                 scatter.append((out, read.copies))
         for i, got in zip(plain, self.read_many([requests[i] for i in plain]), strict=True):
             outs[i] = got
-        got = self._read_stored(stored)
+        read = zip(self._read_stored(stored), stored, strict=True)
+        got = [data for data, request in read if request[4] is None]
         with torch.no_grad():
             for data, (out, copies) in zip(got, scatter, strict=True):
-                for at, src, n in copies:
-                    out[at : at + n].copy_(data[src : src + n])
+                _scatter(out, data, copies)
         return outs
 
     def _read_stored(self, requests: list[tuple]) -> list[torch.Tensor]:
@@ -229,8 +236,8 @@ class StepReaderV2(StepBase):
         pieces: dict[tuple[str, int], list[_Piece]] = {}
         for request in requests:
             if request[0] is _STORED:  # a mesh tensor's stored array ([Note: mesh tensors])
-                _, name, start, stop = request
-                info, out = self._meshes[name][1], None
+                _, name, start, stop, out = request
+                info = self._meshes[name][1]
             else:
                 name, start, stop, out = request
                 info = self.info(name)
@@ -779,6 +786,42 @@ def _copy_payload(rows: np.ndarray, u: int, v: int, dest: np.ndarray, size: int)
         at += n
     if o1:
         dest[at:] = rows[r1, :o1]
+
+
+def _scatter(out: torch.Tensor, data: torch.Tensor, copies: tuple) -> None:
+    """``out[at : at + n] = data[src : src + n]`` for each ``(at, src, n)`` of ``copies``.
+
+    [Note: mesh scatter]
+    A load at another tensor-parallel degree reads, for a tensor sharded on dimension 1 (a
+    row-parallel weight), one stored range per piece and cuts it into one segment per
+    outer row: a 512-row weight read by 4 ranks from 2 tp shards is 128 copies of 688
+    elements per shard and rank. Each piece was read into a scratch tensor (first touches,
+    then a second copy) and cut with one ``copy_`` per segment, about 9,000 per rank on the
+    report's layout row. Now segments of one length at one stride in ``out`` that follow
+    each other in ``data`` are one strided copy, and a piece read that fills one range of
+    ``out`` is read there directly. The layout row (296 MiB, 4 ranks, cold cache), the same
+    command run back to back before and after: 0.536 s against 0.331 s, with ``cat`` of the
+    same files at 0.095 s in both runs."""
+    i, count = 0, len(copies)
+    while i < count:
+        at, src, n = copies[i]
+        j = i + 1
+        stride = copies[j][0] - at if j < count else 0
+        if stride >= n:  # never overlapping destinations in one copy
+            while (
+                j < count
+                and copies[j][2] == n
+                and copies[j][1] == src + (j - i) * n
+                and copies[j][0] == at + (j - i) * stride
+            ):
+                j += 1
+        rows = j - i
+        if rows == 1:
+            out[at : at + n].copy_(data[src : src + n])
+        else:
+            dest = out.as_strided((rows, n), (stride, 1), out.storage_offset() + at)
+            dest.copy_(data[src : src + rows * n].view(rows, n))
+        i = j
 
 
 def _split_crc32c(segments: tuple[memoryview, ...]) -> int:

@@ -2,9 +2,10 @@
 
 A root (a directory or URL holding ``step-<8 digits>/`` steps) is opened once, and that one
 :class:`CheckpointRoot` lists its steps, opens them for reading, makes the writers of new
-ones, runs retention and answers the save guard. ``engine.save`` opens the root once per
-save and hands it to every part of the save, instead of each part re-opening the path
-(one storage client per root, one listing where the guard needs one).
+ones, runs retention and answers the save guard, and carries the guard's memory of what
+one engine did there (:class:`SaveMemory`). An engine opens each root it saves to or loads
+from once and keeps it for its life (``zerostate.checkpoint.roots``): one storage client per
+root, one listing where the guard needs one.
 
 Every operation that deletes is here, so the ordering rules that keep a root consistent
 through a crash live in one place: a commit record is removed before its step's data, and
@@ -55,6 +56,19 @@ class SaveCheck:
         return self.refusal is None and self.newer is None and not self.exists
 
 
+@dataclass(slots=True)
+class SaveMemory:
+    """What one engine remembers of a root it used: the save guard's memory ([Note: save
+    target]). Shared by every root object of one location (one engine may reach a location
+    with two sets of storage options); a root opened on its own starts with an empty one."""
+
+    shapes_checked: bool = False
+    """Whether the guard already compared the model in the root with this engine's."""
+    own: bool = False
+    """Whether this engine loaded from the root or committed a step to it: saving an older
+    step there is resuming or rewinding this run, not landing beside another run's steps."""
+
+
 #: Commit records :meth:`CheckpointRoot.latest_step` checks at once, newest step first:
 #: as many as an object store's batched existence checks run concurrently.
 LATEST_BATCH = BATCH_THREADS
@@ -63,15 +77,19 @@ LATEST_BATCH = BATCH_THREADS
 class CheckpointRoot:
     """A checkpoint root: its storage, its steps, their readers and writers, retention."""
 
-    def __init__(self, storage: Storage, num_threads: int = 8) -> None:
+    def __init__(
+        self, storage: Storage, num_threads: int = 8, memory: SaveMemory | None = None
+    ) -> None:
         if not isinstance(storage, Storage):
             raise ConfigError(f"CheckpointRoot needs a Storage, got {type(storage).__name__}")
         self._storage = storage
         self._num_threads = num_threads
         self._location: str | None = None
-        # (committed, partial) as check_save listed them: retention after that save reuses
-        # it ([Note: one scan per save])
-        self._save_scan: tuple[list[int], list[int]] | None = None
+        #: The save guard's memory of this root ([Note: save target]).
+        self.memory = SaveMemory() if memory is None else memory
+        # (step, committed, partial) as check_save listed them before a save of that step:
+        # retention after it reuses them ([Note: one scan per save]).
+        self._save_scan: tuple[int, list[int], list[int]] | None = None
 
     @classmethod
     def open(
@@ -222,7 +240,7 @@ class CheckpointRoot:
         none holds, a partial directory of ``step`` left by a crashed save is removed so
         the new save starts clean; nothing else is changed."""
         committed, partial = self.scan()
-        self._save_scan = (list(committed), list(partial))
+        self._save_scan = (step, list(committed), list(partial))
         refusal = None if model_shapes is None else self.save_refusal(model_shapes, committed)
         newer = None
         if not newer_ok and committed and committed[-1] > step:
@@ -319,7 +337,9 @@ class CheckpointRoot:
         kept). Returns ``(committed steps deleted, partial steps deleted)``.
 
         ``saved``: the step a save through this root object just committed; retention then
-        reuses the listing its :meth:`check_save` made instead of listing again.
+        reuses the listing its :meth:`check_save` of that step made instead of listing
+        again (a root object lives as long as its engine, so the listing is taken only by
+        the save it was made for).
 
         [Note: one scan per save]
         A save lists the root once, in rank 0's save guard (:meth:`check_save`: one listing
@@ -335,13 +355,13 @@ class CheckpointRoot:
             not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
         ):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        if saved is not None and self._save_scan is not None:
-            committed = sorted({*self._save_scan[0], saved})
-            partial = [s for s in self._save_scan[1] if s != saved]
+        scan, self._save_scan = self._save_scan, None
+        if saved is not None and scan is not None and scan[0] == saved:
+            committed = sorted({*scan[1], saved})
+            partial = [s for s in scan[2] if s != saved]
             recheck = True
         else:
             (committed, partial), recheck = self.scan(), False
-        self._save_scan = None
         stale = [s for s in partial if partial_below is not None and s < partial_below]
         if stale and recheck:
             records = self._storage.exists_many(

@@ -7,6 +7,7 @@ zerostate root. Every command and ``engine.load`` open checkpoints through here.
 
 from __future__ import annotations
 
+from zerostate.errors import ConfigError
 from zerostate.store.foreign.detect import detect
 from zerostate.store.protocol import CheckpointSource
 from zerostate.store.root import CheckpointRoot
@@ -14,11 +15,16 @@ from zerostate.store.storage import open_storage
 
 
 def open_source(
-    root: str, storage_options: dict | None = None, *, num_threads: int = 8
+    root: str | CheckpointRoot, storage_options: dict | None = None, *, num_threads: int = 8
 ) -> CheckpointSource:
     """The checkpoint at ``root`` (path or fsspec URL), whatever its format. A peer's
-    reader is imported only when the location is that peer's."""
-    storage = open_storage(root, storage_options)
+    reader is imported only when the location is that peer's. An open
+    :class:`CheckpointRoot` (an engine's, kept across its saves and loads) is read through
+    its own storage, and is itself the answer when it holds zerostate steps."""
+    opened = root if isinstance(root, CheckpointRoot) else None
+    if opened is not None and storage_options:
+        raise ConfigError("storage_options were given with an already open root")
+    storage = opened.storage if opened is not None else open_storage(root, storage_options)
     try:
         kind = detect(storage)  # one listing of the root
         if kind == "dcp":
@@ -31,4 +37,4 @@ def open_source(
             return DeepSpeedCheckpoint(storage, num_threads)
     except FileNotFoundError:
         pass  # a missing root: the zerostate reader names the cause
-    return CheckpointRoot(storage, num_threads)
+    return opened if opened is not None else CheckpointRoot(storage, num_threads)
