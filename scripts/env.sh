@@ -12,7 +12,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.zerostate-installed-$EXTRAS"
-if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
+# ZEROSTATE_NO_INSTALL=1: use the environment as it is (the test of examples/demo.sh runs it
+# in the environment running the tests, which must not be re-pointed at another checkout).
+if [ -z "${ZEROSTATE_NO_INSTALL:-}" ] && { [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; }; then
     # torch first and pinned: a bare `torch` requirement in a fresh environment can pull a
     # multi-GB CUDA build. Set ZEROSTATE_TORCH to choose another build (e.g. "torch==2.13.0").
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${ZEROSTATE_TORCH:-torch==2.13.0}"

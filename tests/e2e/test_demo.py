@@ -22,6 +22,9 @@ def test_demo_script_end_to_end(tmp_path):
         MASTER_PORT=str(free_port()),
         ZEROSTATE_VENV=sys.prefix,  # the environment running the tests already has it all
         ZEROSTATE_EXTRAS="test",
+        # No reinstall: from a second checkout it would re-point this environment's editable
+        # install there (and in CI it re-ran pip for a stamp of other extras).
+        ZEROSTATE_NO_INSTALL="1",
     )
     t0 = time.perf_counter()
     proc = subprocess.run(["bash", str(REPO / "examples" / "demo.sh")], capture_output=True,
