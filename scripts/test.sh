@@ -6,11 +6,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/env.sh" 2> >(grep -v "is ignored: it is neither" >&2)
 cd "$ROOT"
 set +e
-# Two pytest-xdist workers (ZEROSTATE_TEST_WORKERS; 0 runs in this process): a test file, or
-# a set of tests sharing a session fixture, runs on one worker ([Note: test groups] in
-# tests/conftest.py).
+# Two pytest-xdist workers (ZEROSTATE_TEST_WORKERS; 0 runs in this process): a test file runs
+# on one worker ([Note: test groups] in tests/conftest.py).
 python -m pytest -p no:cacheprovider --durations=30 \
-    -n "${ZEROSTATE_TEST_WORKERS:-2}" --dist loadgroup "$@"
+    -n "${ZEROSTATE_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -74,35 +74,21 @@ def pytest_collection_modifyitems(config, items) -> None:
     """End-to-end tests (torchrun jobs) and S3 tests (a SeaweedFS server) are slow: the fast
     set, ``pytest -m "not slow"``, leaves them out; scripts/test.sh and CI run them.
 
-    [Note: test groups]: scripts/test.sh runs the suite on several pytest-xdist workers with
-    ``--dist loadgroup``. Every test gets a group, so that what a file or a session fixture
-    builds once is built by one worker, not by each: a test file is one group (its
-    module- and class-scoped fixtures stay single), and every test that uses the peers'
-    checkpoints (``peer_checkpoints``, DeepSpeed and DCP runs written once per session) is
-    in one ``peers`` group. Groups go to the workers in the order of :data:`FIRST_GROUPS`,
-    then in collection order, so the longest ones do not start last."""
+    [Note: test groups]: scripts/test.sh runs the suite on two pytest-xdist workers with
+    ``--dist loadfile``: a test file runs on one worker, in order, so its module- and
+    class-scoped fixtures are built once. Session fixtures (the S3 server, the peers'
+    checkpoints) are built once per worker that needs them. Files whose tests use the
+    peers' checkpoints are collected first, so that their long setup does not start last."""
     e2e = Path(__file__).resolve().parent / "e2e"
     for item in items:
         if item.get_closest_marker("s3") or e2e in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group_of(item)))
-    rank = {group: i for i, group in enumerate(FIRST_GROUPS)}
-    items.sort(key=lambda item: rank.get(_group_name(item), len(rank)))  # stable
+    peer_files = {_file(i) for i in items if "peer_checkpoints" in getattr(i, "fixturenames", ())}
+    items.sort(key=lambda item: _file(item) not in peer_files)  # stable
 
 
-#: Groups that take longest in a whole-suite run (``--durations``), started first.
-FIRST_GROUPS = ("peers",)
-
-
-def _group_of(item) -> str:
-    if "peer_checkpoints" in getattr(item, "fixturenames", ()):
-        return "peers"
+def _file(item) -> str:
     return item.nodeid.split("::")[0]
-
-
-def _group_name(item) -> str:
-    return item.get_closest_marker("xdist_group").args[0]
 
 
 @pytest.fixture(scope="session")
