@@ -30,7 +30,7 @@ from zerostate.layout import (
     to_json,
     tp_chunk,
 )
-from zerostate.layout_plan import Copy, _plan_bands, _plan_consolidate, _plan_general, plan
+from zerostate.layout_plan import Copy, _plan_bands, _plan_general, plan, plan_logical, plan_range
 from zerostate.partition import TensorLayout, chunk_numel_for, even_layout
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -238,8 +238,6 @@ def test_every_planning_path_gives_the_target_split(pair):
         assert same(apply(_plan_bands(source, target, max(dims)), sources, target), expect)
     if source.numel:
         assert same(apply(_plan_general(source, target), sources, target), expect)
-    if source.numel and target.num_tp_pieces == target.dp_shard == 1 and not target.tp_sharded:
-        assert same(apply(_plan_consolidate(source), sources, target), expect)
 
 
 @SETTINGS

@@ -32,7 +32,7 @@ a valid layout tile the global tensor: every element lies in exactly one piece.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,13 @@ class MeshLayout:
     def piece_ids(self) -> list[PieceId]:
         """Every piece, empty ones included, in ``(tp index, dp rank)`` order."""
         return [(t, r) for t in range(self.num_tp_pieces) for r in range(self.dp_shard)]
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``, computed once per layout and ``key``: what planners derive from a
+        (frozen) layout, such as a sorted index of its pieces, is kept with it."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def tp_blocks(self, tp_index: int) -> list[tuple[int, int, int]]:
         """``(global row, rows, local row)`` along ``tp_dim`` of each non-empty run of rows
