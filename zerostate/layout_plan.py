@@ -1,16 +1,31 @@
 """The copy plan from one layout of a tensor to another ([Note: tensor-parallel layouts]).
 
-Pure: no ``torch.distributed``, no I/O. The same plan serves an online load (the target is the
-engine's mesh), an offline ``reshard`` and ``consolidate`` (the target is tp 1 x dp 1): each
-target piece is assembled from ranges of source pieces, and a reader fetches only those.
+Pure: no ``torch.distributed``, no I/O. Every read of a format-3 tensor is planned here
+([Note: mesh tensors] in ``zerostate.store.mesh``): the step reader turns a logical range
+into :func:`plan_logical`'s copies and reads, per source piece, the stored span they touch.
+An online load (``engine.load``, whatever mesh it runs on), an offline ``reshard`` (each
+target piece, block by block) and ``consolidate`` (the tp 1 x dp 1 target) all read logical
+ranges through it. :func:`plan` gives the copies of every target piece at once, for tools
+and tests; each piece's are :func:`plan_range`'s, so the two cannot disagree.
 
-Three paths, all giving plans that cover every target element exactly once:
+A range of a target tp shard is planned by one of three paths, each covering every target
+element exactly once:
 
 * **same tp cut** (only the data-parallel cut differs): tp shard ``t`` is the same local
-  tensor on both sides, so each target piece is 1-D range intersection with the source's
-  chunk grid of shard ``t`` (:func:`zerostate.partition.chunk_reads`), a few copies per piece;
-* **many rows** (the rows before the inner shard dim of the two sides outnumber the dp
-  pieces): see [Note: row bands];
+  tensor on both sides, so a range of it is 1-D range intersection with the source's chunk
+  grid of shard ``t`` (:func:`zerostate.partition.chunk_reads`), a few copies per range;
+* **many rows** (the rows before the inner shard dim outnumber the dp pieces): see
+  [Note: row bands];
+* **general** (few rows): every source segment sorted by global start, and each target
+  segment walks the sorted list from a bisection (sorted interval intersection), one copy
+  per overlap. The whole tensor (consolidation) is one target segment: one copy per source
+  segment.
+
+The source side of the last two (its pieces' bands, its sorted segments) is built once per
+layout and kept with it (:meth:`MeshLayout.memo`), so the many ranges a reader asks of one
+tensor pay for it once.
+
+[Note: row bands];
 * **consolidation** otherwise, when the target is tp 1 x dp 1: the target piece is the global
   tensor itself, so every source segment is one copy to its global offset;
 * **general** (few rows): every source segment sorted by global start, and each target

@@ -266,29 +266,35 @@ def test_tp_reshard_of_a_data_parallel_step_is_refused(tmp_path):
     assert "records no tensor-parallel layout" in result.stderr, result.stderr
 
 
-def test_scatter_in_strided_runs_equals_one_copy_per_segment():
-    """[Note: mesh scatter]: segments grouped into strided copies land exactly where one copy
-    per segment puts them: runs of rows at one stride, partial first and last rows, single
-    segments, and segments whose sources are not back to back."""
+def test_scatter_of_strided_copies_equals_one_copy_per_row():
+    """[Note: mesh scatter]: a planned copy over several rows, done as one strided copy, lands
+    exactly where one copy per row puts it: from a read that starts anywhere in the piece,
+    into a view at an offset (as the engine's own tensors may be), with single-row copies
+    between them."""
+    from zerostate.layout_plan import Copy
     from zerostate.store.reader_v2 import _scatter
 
     rng = random.Random(5)
     for _ in range(200):
-        copies, at, src = [], rng.randrange(4), 0
-        for _ in range(rng.randrange(1, 6)):  # runs of one length and stride
+        copies, at, src = [], rng.randrange(4), rng.randrange(5)
+        lo = src
+        for _ in range(rng.randrange(1, 6)):
             n, rows = rng.randrange(1, 7), rng.randrange(1, 5)
-            stride = n + rng.randrange(0, 4)
-            for _ in range(rows):
-                copies.append((at, src, n))
-                at, src = at + stride, src + n
-            at += rng.randrange(0, 3)
-            src += rng.randrange(0, 2)  # sometimes a source gap between runs
-        data = torch.arange(1, src + 1, dtype=torch.float32)
+            tstride = n + rng.randrange(0, 4)
+            sstride = n + rng.randrange(0, 3)
+            if rows == 1:
+                tstride = sstride = 0
+            copies.append(Copy((0, 0), src, n, at, rows, sstride, tstride))
+            at += (rows - 1) * tstride + n + rng.randrange(0, 3)
+            src += (rows - 1) * sstride + n + rng.randrange(0, 2)
+        data = torch.arange(1, src - lo + 1, dtype=torch.float32)
         want = torch.zeros(at + 8)
-        for a, s, n in copies:
-            want[a : a + n] = data[s : s + n]
+        for c in copies:
+            for k in c.flat():
+                a, s = k.target_offset, k.source_offset - lo
+                want[a : a + k.numel] = data[s : s + k.numel]
         base = torch.zeros(at + 11)
-        got = base[3:]  # a view at an offset, as the engine's own tensors may be
-        _scatter(got, data, tuple(copies))
+        got = base[3:]
+        _scatter(got, data, lo, copies)
         assert torch.equal(got, want), copies
         assert torch.equal(base[:3], torch.zeros(3))
