@@ -270,13 +270,18 @@ def check_layout(layout: MeshLayout, name: str = "<layout>") -> None:
     if msn is not None and (not _is_int(msn) or msn < 1):
         raise _fail(name, f"min_shard_numel {msn!r} is not an int >= 1")
     owners = layout.first_owners
-    if len(owners) != layout.num_tp_pieces or not all(
-        _is_int(o) and 0 <= o < layout.dp_shard for o in owners
-    ):
+    if len(owners) != layout.num_tp_pieces:
         raise _fail(
             name,
             f"first_owners {list(owners)[:8]} are not {layout.num_tp_pieces} ranks "
-            f"in [0, {layout.dp_shard})",
+            f"in [0, {layout.dp_shard}) (one per tp shard)",
+        )
+    bad = [o for o in owners if not _is_int(o) or not 0 <= o < layout.dp_shard]
+    if bad:
+        raise _fail(
+            name,
+            f"first_owners {list(owners)[:8]}: dp shard index {bad[0]!r} beyond its count "
+            f"{layout.dp_shard}",
         )
 
 

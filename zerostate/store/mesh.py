@@ -56,9 +56,10 @@ def stored_layout(mesh: MeshLayout, world_size: int, name: str = "<tensor>") -> 
     """The format-2 layout of ``mesh``'s stored array in a step of ``world_size`` rows."""
     pieces = num_pieces(mesh)
     if pieces > world_size:
+        last = divmod(pieces - 1, mesh.dp_shard)
         raise LayoutError(
-            f"{name}: {mesh.num_tp_pieces} tp x {mesh.dp_shard} dp pieces do not fit the "
-            f"step's {world_size} rows"
+            f"tensor {name!r}: piece {last} lies outside the step's {world_size} rows "
+            f"({mesh.num_tp_pieces} tp x {mesh.dp_shard} dp pieces, one row each)"
         )
     if mesh.numel == 0:
         return TensorLayout(0, world_size, 1, 0)
@@ -77,11 +78,21 @@ def _largest_piece(mesh: MeshLayout) -> int:
 def check_stored(mesh: MeshLayout, layout: TensorLayout, name: str) -> None:
     """A stored array's layout read from storage must be exactly :func:`stored_layout`."""
     expected = stored_layout(mesh, layout.world_size, name)
-    if layout != expected:
+    if layout == expected:
+        return
+    what = f"tensor {name!r}: stored layout {layout.to_json()} is not its mesh entry's"
+    if layout.chunk_numel < expected.chunk_numel:
         raise LayoutError(
-            f"{name}: stored layout {layout.to_json()} is not the one its mesh entry gives "
-            f"({expected.to_json()})"
+            f"{what}: pieces of up to {expected.chunk_numel} elements would overlap in "
+            f"chunks of {layout.chunk_numel}"
         )
+    if layout.numel > expected.numel or layout.chunk_numel > expected.chunk_numel:
+        raise LayoutError(
+            f"{what}: {layout.numel} stored elements in chunks of {layout.chunk_numel}, where "
+            f"its pieces take {expected.numel} in chunks of {expected.chunk_numel}: stored "
+            "elements lie outside the tensor"
+        )
+    raise LayoutError(f"{what} ({expected.to_json()})")
 
 
 def stored_start(mesh: MeshLayout, layout: TensorLayout, piece: PieceId) -> int:
