@@ -233,19 +233,31 @@ def test_reshard_between_layouts_and_back_is_byte_identical(tmp_path, src, dst):
         assert other.read_bytes() == path.read_bytes(), path
 
 
-def test_every_path_to_one_rank_gives_the_same_bytes(tmp_path):
-    write_mesh_step(tmp_path / "a", 2, 2, 3)
-    outs = []
-    for route in ([], [("--tp", "4", "--dp", "1")], [("--tp", "3", "--dp", "2")]):
+@pytest.mark.parametrize("start", [(2, 3), (3, 2)])
+def test_every_path_to_one_rank_gives_the_same_bytes(tmp_path, start):
+    """Routes through other layouts (odd numels at dp 3 and 4, fused q/k/v and gate/up, bf16,
+    a 3-D tensor) end in the same bytes: the consolidated file, and the row objects of a
+    reshard to tp 1 x dp 1, which hold the logical tensors."""
+    full = write_mesh_step(tmp_path / "a", 2, *start)
+    routes = [[], [(4, 1)], [(3, 2)], [(1, 4), (2, 3)], [(2, 2), (3, 1), (1, 3)]]
+    files, rows = [], []
+    for k, route in enumerate(routes):
         src = tmp_path / "a"
-        for i, hop in enumerate(route):
-            nxt = tmp_path / f"hop-{len(outs)}-{i}"
-            assert run_cli("reshard", str(src), str(nxt), *hop).returncode == 0
+        for i, (tp, dp) in enumerate([*route, (1, 1)]):
+            nxt = tmp_path / f"route-{k}-{i}"
+            done = run_cli("reshard", str(src), str(nxt), "--tp", str(tp), "--dp", str(dp))
+            assert done.returncode == 0, done.stderr
             src = nxt
-        out = tmp_path / f"model-{len(outs)}.safetensors"
+        out = tmp_path / f"model-{k}.safetensors"
         assert run_cli("consolidate", str(src), str(out)).returncode == 0
-        outs.append(out.read_bytes())
-    assert outs[0] == outs[1] == outs[2]
+        files.append(out.read_bytes())
+        rows.append({p.relative_to(src): p.read_bytes() for p in src.rglob("c/*/0")})
+    assert all(f == files[0] for f in files[1:])
+    assert rows[0] and all(r == rows[0] for r in rows[1:])
+    got = load_file(tmp_path / "model-0.safetensors")
+    for name, tensor in full.items():
+        if name.startswith("model/"):
+            assert torch.equal(got[name.removeprefix("model/")], tensor), name
 
 
 def test_tp_reshard_of_a_data_parallel_step_is_refused(tmp_path):
