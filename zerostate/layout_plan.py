@@ -1,12 +1,18 @@
 """The copy plan from one layout of a tensor to another ([Note: tensor-parallel layouts]).
 
 Pure: no ``torch.distributed``, no I/O. Every read of a format-3 tensor is planned here
-([Note: mesh tensors] in ``zerostate.store.mesh``): the step reader turns a logical range
-into :func:`plan_logical`'s copies and reads, per source piece, the stored span they touch.
-An online load (``engine.load``, whatever mesh it runs on), an offline ``reshard`` (each
-target piece, block by block) and ``consolidate`` (the tp 1 x dp 1 target) all read logical
-ranges through it. :func:`plan` gives the copies of every target piece at once, for tools
-and tests; each piece's are :func:`plan_range`'s, so the two cannot disagree.
+([Note: mesh tensors] in ``zerostate.store.mesh``), and the step reader (``reader_v2``)
+reads, per source piece, the stored span the copies touch:
+
+* ``engine.load`` on a tp mesh asks for each view's range of its tp shard in the engine's
+  layout, and ``reshard`` for each target piece, block by block
+  (``StepSource.read_layout_many``): :func:`plan_range`;
+* ``engine.load`` without tp, ``consolidate`` (the tp 1 x dp 1 target) and any other reader
+  of the global tensor ask for logical ranges: :func:`plan_logical`, the range of
+  :func:`whole`'s one shard.
+
+:func:`plan` gives the copies of every target piece at once, for tools and tests; each
+piece's are :func:`plan_range`'s, so the two cannot disagree.
 
 A range of a target tp shard is planned by one of three paths, each covering every target
 element exactly once:

@@ -22,10 +22,13 @@ piece ``(t, d)`` of every tensor (a tensor replicated across tp: rank ``d`` writ
 ``(0, d)``, tp ranks above 0 write nothing of it). Readers check the mesh entry
 (:func:`zerostate.layout.from_json`) and that the stored layout is exactly the one above
 before anything is read, and show the logical tensor: a read of logical elements
-``[start, stop)`` is planned by :func:`zerostate.layout_plan.plan_logical` (the planner
-``reshard``'s target pieces and ``consolidate``'s whole tensors go through too), and reads,
-per source piece, the one stored span its copies touch (:func:`stored_start` places the
-piece), so memory follows the request, never the whole tensor. A step holding
+``[start, stop)`` is planned by :func:`zerostate.layout_plan.plan_logical`, and a range of
+a tp shard of another layout (an engine view on a mesh, a target piece of ``reshard``:
+``read_layout_many``) by :func:`zerostate.layout_plan.plan_range`; either reads, per source
+piece, the one stored span its copies touch (:func:`stored_start` places the piece), so
+memory follows the request, never the whole tensor. A stored layout that is not exactly
+the one above (pieces that would overlap in its chunks, stored elements outside the tensor,
+pieces beyond the step's rows) is refused when the step is opened. A step holding
 any mesh tensor says ``format_version`` 3 everywhere; readers of version 2 refuse it rather
 than show stored arrays as tensors.
 """

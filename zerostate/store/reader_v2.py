@@ -13,6 +13,7 @@ along with every chunk.
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import struct
 import threading
@@ -203,24 +204,62 @@ class StepReaderV2(StepBase):
         return entry[0] if entry is not None else None
 
     def _read_many_meshes(self, requests: list[tuple]) -> list[torch.Tensor]:
-        """Logical reads of mesh tensors, planned by :func:`zerostate.layout_plan.plan_logical`
-        (the copies from source pieces that fill the range), become one read of each source
-        piece's stored span the copies touch; a span that is one contiguous range of the
-        result lands there directly, the others are copied into place afterwards ([Note: mesh
-        scatter]); other requests are read as usual."""
+        """Logical reads of mesh tensors, planned by :func:`zerostate.layout_plan.plan_logical`;
+        other requests are read as usual."""
         outs: list[Any] = [None] * len(requests)
         plain: list[int] = []
-        stored: list[tuple] = []
-        scatter: list[tuple[torch.Tensor, int, list]] = []
+        planned: list[tuple[str, list, torch.Tensor]] = []
         for i, (name, start, stop, out) in enumerate(requests):
             if name not in self._meshes:
                 plain.append(i)
                 continue
-            mesh, info = self._meshes[name]
             start, stop, out = self._check_range(self.tensors[name], start, stop, out)
             outs[i] = out
+            planned.append(
+                (name, layout_plan.plan_logical(self._meshes[name][0], start, stop), out)
+            )
+        for i, got in zip(plain, self.read_many([requests[i] for i in plain]), strict=True):
+            outs[i] = got
+        self._read_planned(planned)
+        return outs
+
+    def read_layout_many(self, requests: Iterable[tuple]) -> None:
+        """:meth:`StepBase.read_layout_many`: a mesh tensor's range of a target tp shard is
+        planned at once by :func:`zerostate.layout_plan.plan_range` (row bands: a copy per
+        run of rows, where logical segments would be one read per row); other tensors are
+        read by their logical segments."""
+        planned: list[tuple[str, list, torch.Tensor]] = []
+        rest = []
+        for request in requests:
+            name, target, tp_index, start, stop, out = request
+            if name not in self._meshes:
+                rest.append(request)
+                continue
+            mesh = self._meshes[name][0]
+            if tuple(target.shape) != mesh.shape:
+                raise ConfigError(
+                    f"{name}: a layout of shape {list(target.shape)} asked of a tensor of "
+                    f"shape {list(mesh.shape)}"
+                )
+            numel = math.prod(target.local_shape(tp_index))  # the tp shard, flattened
+            shard = fmt.TensorInfo(name, (numel,), self.tensors[name].dtype, even_layout(numel, 1))
+            start, stop, out = self._check_range(shard, start, stop, out)
+            planned.append((name, layout_plan.plan_range(mesh, target, tp_index, start, stop), out))
+        if rest:
+            super().read_layout_many(rest)
+        self._read_planned(planned)
+
+    def _read_planned(self, planned: list[tuple[str, list, torch.Tensor]]) -> None:
+        """Run planned copies (``(name, copies, out)``, copies from the mesh tensor's pieces
+        into ``out``): one read of each source piece's stored span the copies touch; a span
+        that is one contiguous range of ``out`` lands there directly, the others are copied
+        into place afterwards ([Note: mesh scatter])."""
+        stored: list[tuple] = []
+        scatter: list[tuple[torch.Tensor, torch.Tensor, int, list]] = []
+        for name, plan, out in planned:
+            mesh, info = self._meshes[name]
             by_piece: dict[Any, list] = {}
-            for copy in layout_plan.plan_logical(mesh, start, stop):
+            for copy in plan:
                 by_piece.setdefault(copy.source, []).append(copy)
             for piece, copies in by_piece.items():
                 base = mesh_mod.stored_start(mesh, info.layout, piece)
@@ -233,15 +272,12 @@ class StepReaderV2(StepBase):
                 scratch = _scratch(hi - lo, out.dtype)
                 stored.append((_STORED, name, base + lo, base + hi, scratch))
                 scatter.append((out, scratch, lo, copies))
-        for i, got in zip(plain, self.read_many([requests[i] for i in plain]), strict=True):
-            outs[i] = got
         self._read_stored(stored)
         del stored
         with torch.no_grad():
             while scatter:  # each scratch span goes once it has been copied out
                 out, data, lo, copies = scatter.pop()
                 _scatter(out, data, lo, copies)
-        return outs
 
     def _read_stored(self, requests: list[tuple]) -> list[torch.Tensor]:
         """:meth:`read_many` of tensors this step's own rows hold."""
