@@ -840,7 +840,12 @@ def _copy_payload(rows: np.ndarray, u: int, v: int, dest: np.ndarray, size: int)
 def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Room for a stored span that is copied out piecewise: pages of its own, given back to
     the system when the last reference goes, so a long run of reads (a reshard, a
-    consolidation) does not grow the C heap ([Note: reshard memory] in store/reshard.py)."""
+    consolidation) does not grow the C heap ([Note: reshard memory] in store/reshard.py).
+    Measured: the 64 MB reshard of (tp 2 x dp 2) to one rank peaked 26.7 MB above an idle
+    process with heap scratch, 15 MB with these. The cost is fresh pages for every read: the
+    four dp-4 ranges of that step read again in one process took 0.07-0.08 s of CPU against
+    0.03 s from the heap, while a first read in a fresh process (a resumed job) took the
+    same either way (0.10-0.14 s)."""
     if numel * dtype.itemsize < SCRATCH_MMAP_NBYTES:
         return torch.empty(numel, dtype=dtype)
     buf = mmap.mmap(-1, numel * dtype.itemsize)
