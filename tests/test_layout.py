@@ -30,7 +30,7 @@ from zerostate.layout import (
     to_json,
     tp_chunk,
 )
-from zerostate.layout_plan import Copy, _plan_bands, _plan_consolidate, _plan_general, plan
+from zerostate.layout_plan import Copy, _plan_bands, _plan_general, plan, plan_logical, plan_range
 from zerostate.partition import TensorLayout, chunk_numel_for, even_layout
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -238,8 +238,6 @@ def test_every_planning_path_gives_the_target_split(pair):
         assert same(apply(_plan_bands(source, target, max(dims)), sources, target), expect)
     if source.numel:
         assert same(apply(_plan_general(source, target), sources, target), expect)
-    if source.numel and target.num_tp_pieces == target.dp_shard == 1 and not target.tp_sharded:
-        assert same(apply(_plan_consolidate(source), sources, target), expect)
 
 
 @SETTINGS
@@ -255,6 +253,47 @@ def test_there_and_back_is_byte_identical_and_every_path_consolidates_alike(pair
     via_b = apply(plan(b, one), pieces_b, one)[(0, 0)]
     assert torch.equal(direct, x.reshape(-1))
     assert direct.numpy().tobytes() == via_b.numpy().tobytes()
+
+
+def apply_range(copies: list, sources: dict, numel: int) -> torch.Tensor:
+    """Run the copies of one range; every element must be written exactly once."""
+    buf = torch.empty(numel, dtype=torch.int64)
+    hits = torch.zeros(numel, dtype=torch.int64)
+    for copy in copies:
+        assert copy.numel > 0 and copy.rows > 0
+        for c in copy.flat():
+            buf[c.target_offset : c.target_offset + c.numel] = sources[c.source][
+                c.source_offset : c.source_offset + c.numel
+            ]
+            hits[c.target_offset : c.target_offset + c.numel] += 1
+    assert torch.all(hits == 1)
+    return buf
+
+
+@SETTINGS
+@given(layout_pairs(), st.data())
+def test_planned_ranges_are_what_readers_get(pair, data):
+    """What the product asks of the planner: a step reader's logical range
+    (:func:`plan_logical`, every format-3 read of load, reshard and consolidate), and any
+    range of a target tp shard (:func:`plan_range`, of which :func:`plan` is made), on the
+    same source, whose cached indexes serve every range."""
+    source, target = pair
+    x = global_tensor(source.shape)
+    sources = ref_split(x, source)
+    flat = x.reshape(-1)
+    for _ in range(4):
+        a = data.draw(st.integers(0, flat.numel()))
+        b = data.draw(st.integers(a, flat.numel()))
+        assert torch.equal(apply_range(plan_logical(source, a, b), sources, b - a), flat[a:b])
+    t = data.draw(st.integers(0, target.num_tp_pieces - 1))
+    shard = ref_tp_shard(x, target, t).reshape(-1)
+    for _ in range(4):
+        a = data.draw(st.integers(0, shard.numel()))
+        b = data.draw(st.integers(a, shard.numel()))
+        got = apply_range(plan_range(source, target, t, a, b), sources, b - a)
+        assert torch.equal(got, shard[a:b])
+    with pytest.raises(LayoutError, match="outside tp shard"):
+        plan_range(source, target, t, 0, shard.numel() + 1)
 
 
 def test_cheap_paths_plan_few_copies():

@@ -32,7 +32,7 @@ a valid layout tile the global tensor: every element lies in exactly one piece.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +122,13 @@ class MeshLayout:
     def piece_ids(self) -> list[PieceId]:
         """Every piece, empty ones included, in ``(tp index, dp rank)`` order."""
         return [(t, r) for t in range(self.num_tp_pieces) for r in range(self.dp_shard)]
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``, computed once per layout and ``key``: what planners derive from a
+        (frozen) layout, such as a sorted index of its pieces, is kept with it."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def tp_blocks(self, tp_index: int) -> list[tuple[int, int, int]]:
         """``(global row, rows, local row)`` along ``tp_dim`` of each non-empty run of rows
@@ -263,13 +270,18 @@ def check_layout(layout: MeshLayout, name: str = "<layout>") -> None:
     if msn is not None and (not _is_int(msn) or msn < 1):
         raise _fail(name, f"min_shard_numel {msn!r} is not an int >= 1")
     owners = layout.first_owners
-    if len(owners) != layout.num_tp_pieces or not all(
-        _is_int(o) and 0 <= o < layout.dp_shard for o in owners
-    ):
+    if len(owners) != layout.num_tp_pieces:
         raise _fail(
             name,
             f"first_owners {list(owners)[:8]} are not {layout.num_tp_pieces} ranks "
-            f"in [0, {layout.dp_shard})",
+            f"in [0, {layout.dp_shard}) (one per tp shard)",
+        )
+    bad = [o for o in owners if not _is_int(o) or not 0 <= o < layout.dp_shard]
+    if bad:
+        raise _fail(
+            name,
+            f"first_owners {list(owners)[:8]}: dp shard index {bad[0]!r} beyond its count "
+            f"{layout.dp_shard}",
         )
 
 

@@ -1,4 +1,4 @@
-"""zerostate's formats 1 and 2 and the DeepSpeed and DCP readers pass one step-reader
+"""zerostate's formats 1, 2 and 3 and the DeepSpeed and DCP readers pass one step-reader
 conformance suite (``zerostate.testing.StepReaderTests``)."""
 
 from __future__ import annotations
@@ -32,6 +32,19 @@ class TestFormat2(StepReaderTests):
     @pytest.fixture
     def case(self) -> StepCase:
         return _golden(2)
+
+
+class TestFormat3(StepReaderTests):
+    """Tensor-parallel pieces (tp 2 x dp 3): odd shapes, fused q/k/v and gate/up, bf16, a
+    3-D tensor, an empty one, and a plain format-2 tensor in the same step."""
+
+    @pytest.fixture
+    def case(self, tmp_path) -> StepCase:
+        from tests.store.test_mesh_store import write_mesh_step
+
+        full = write_mesh_step(tmp_path, 3, 2, 3)
+        ckpt = open_source(str(tmp_path))
+        return StepCase(ckpt, ckpt.step(), full)
 
 
 def _peer_case(peer_checkpoints, name: str) -> StepCase:

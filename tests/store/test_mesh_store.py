@@ -233,19 +233,31 @@ def test_reshard_between_layouts_and_back_is_byte_identical(tmp_path, src, dst):
         assert other.read_bytes() == path.read_bytes(), path
 
 
-def test_every_path_to_one_rank_gives_the_same_bytes(tmp_path):
-    write_mesh_step(tmp_path / "a", 2, 2, 3)
-    outs = []
-    for route in ([], [("--tp", "4", "--dp", "1")], [("--tp", "3", "--dp", "2")]):
+@pytest.mark.parametrize("start", [(2, 3), (3, 2)])
+def test_every_path_to_one_rank_gives_the_same_bytes(tmp_path, start):
+    """Routes through other layouts (odd numels at dp 3 and 4, fused q/k/v and gate/up, bf16,
+    a 3-D tensor) end in the same bytes: the consolidated file, and the row objects of a
+    reshard to tp 1 x dp 1, which hold the logical tensors."""
+    full = write_mesh_step(tmp_path / "a", 2, *start)
+    routes = [[], [(4, 1)], [(3, 2)], [(1, 4), (2, 3)], [(2, 2), (3, 1), (1, 3)]]
+    files, rows = [], []
+    for k, route in enumerate(routes):
         src = tmp_path / "a"
-        for i, hop in enumerate(route):
-            nxt = tmp_path / f"hop-{len(outs)}-{i}"
-            assert run_cli("reshard", str(src), str(nxt), *hop).returncode == 0
+        for i, (tp, dp) in enumerate([*route, (1, 1)]):
+            nxt = tmp_path / f"route-{k}-{i}"
+            done = run_cli("reshard", str(src), str(nxt), "--tp", str(tp), "--dp", str(dp))
+            assert done.returncode == 0, done.stderr
             src = nxt
-        out = tmp_path / f"model-{len(outs)}.safetensors"
+        out = tmp_path / f"model-{k}.safetensors"
         assert run_cli("consolidate", str(src), str(out)).returncode == 0
-        outs.append(out.read_bytes())
-    assert outs[0] == outs[1] == outs[2]
+        files.append(out.read_bytes())
+        rows.append({p.relative_to(src): p.read_bytes() for p in src.rglob("c/*/0")})
+    assert all(f == files[0] for f in files[1:])
+    assert rows[0] and all(r == rows[0] for r in rows[1:])
+    got = load_file(tmp_path / "model-0.safetensors")
+    for name, tensor in full.items():
+        if name.startswith("model/"):
+            assert torch.equal(got[name.removeprefix("model/")], tensor), name
 
 
 def test_tp_reshard_of_a_data_parallel_step_is_refused(tmp_path):
@@ -266,29 +278,35 @@ def test_tp_reshard_of_a_data_parallel_step_is_refused(tmp_path):
     assert "records no tensor-parallel layout" in result.stderr, result.stderr
 
 
-def test_scatter_in_strided_runs_equals_one_copy_per_segment():
-    """[Note: mesh scatter]: segments grouped into strided copies land exactly where one copy
-    per segment puts them: runs of rows at one stride, partial first and last rows, single
-    segments, and segments whose sources are not back to back."""
+def test_scatter_of_strided_copies_equals_one_copy_per_row():
+    """[Note: mesh scatter]: a planned copy over several rows, done as one strided copy, lands
+    exactly where one copy per row puts it: from a read that starts anywhere in the piece,
+    into a view at an offset (as the engine's own tensors may be), with single-row copies
+    between them."""
+    from zerostate.layout_plan import Copy
     from zerostate.store.reader_v2 import _scatter
 
     rng = random.Random(5)
     for _ in range(200):
-        copies, at, src = [], rng.randrange(4), 0
-        for _ in range(rng.randrange(1, 6)):  # runs of one length and stride
+        copies, at, src = [], rng.randrange(4), rng.randrange(5)
+        lo = src
+        for _ in range(rng.randrange(1, 6)):
             n, rows = rng.randrange(1, 7), rng.randrange(1, 5)
-            stride = n + rng.randrange(0, 4)
-            for _ in range(rows):
-                copies.append((at, src, n))
-                at, src = at + stride, src + n
-            at += rng.randrange(0, 3)
-            src += rng.randrange(0, 2)  # sometimes a source gap between runs
-        data = torch.arange(1, src + 1, dtype=torch.float32)
+            tstride = n + rng.randrange(0, 4)
+            sstride = n + rng.randrange(0, 3)
+            if rows == 1:
+                tstride = sstride = 0
+            copies.append(Copy((0, 0), src, n, at, rows, sstride, tstride))
+            at += (rows - 1) * tstride + n + rng.randrange(0, 3)
+            src += (rows - 1) * sstride + n + rng.randrange(0, 2)
+        data = torch.arange(1, src - lo + 1, dtype=torch.float32)
         want = torch.zeros(at + 8)
-        for a, s, n in copies:
-            want[a : a + n] = data[s : s + n]
+        for c in copies:
+            for k in c.flat():
+                a, s = k.target_offset, k.source_offset - lo
+                want[a : a + k.numel] = data[s : s + k.numel]
         base = torch.zeros(at + 11)
-        got = base[3:]  # a view at an offset, as the engine's own tensors may be
-        _scatter(got, data, tuple(copies))
+        got = base[3:]
+        _scatter(got, data, lo, copies)
         assert torch.equal(got, want), copies
         assert torch.equal(base[:3], torch.zeros(3))

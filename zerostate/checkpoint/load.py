@@ -20,7 +20,7 @@ from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import check_stateful, left_behind, restore_rng, saved_rank_state
 from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError
-from zerostate.runtime.tp_checkpoint import read_requests
+from zerostate.runtime.tp_checkpoint import layout_read
 
 log = logging.getLogger(__name__)
 
@@ -146,17 +146,18 @@ class LoadSession:
         # pieces together, and lands in the engine's own memory where it can.
         whole = self.engine.whole_replicas() if st.reads_locally else {}
         requests, targets, read_whole = [], [], set()
+        mesh_reads, mesh_targets = [], []
         for view in views:
             info, local, start = st.tensors.get(view.name), view.local, view.local_start
             if info is None:
                 continue
             if view.mesh is not None:  # [Note: tensor-parallel checkpoints]
+                name, mesh, tp_index, lo, hi, out = layout_read(view)
                 direct = local.device.type == "cpu" and local.is_contiguous()
-                for request in read_requests(view):
-                    direct_here = direct and local.dtype == info.dtype
-                    out = request[3]
-                    requests.append(request if direct_here else (*request[:3], None))
-                    targets.append(None if direct_here else out)
+                if not direct or local.dtype != info.dtype:
+                    out = torch.empty(hi - lo, dtype=info.dtype)
+                    mesh_targets.append((local, out))
+                mesh_reads.append((name, mesh, tp_index, lo, hi, out))
                 continue
             if view.name in whole:
                 local, start = whole[view.name], 0
@@ -170,8 +171,9 @@ class LoadSession:
             requests.append((view.name, start, start + local.numel(), out))
             targets.append(None if direct else local)
         results = st.read_many(requests)  # every format batches (see store/protocol.py)
+        st.read_layout_many(mesh_reads)
         with torch.no_grad():
-            for local, data in zip(targets, results, strict=True):
+            for local, data in [*zip(targets, results, strict=True), *mesh_targets]:
                 if local is not None:
                     local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
         return read_whole

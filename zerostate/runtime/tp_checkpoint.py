@@ -15,9 +15,11 @@ data-parallel engine, another tp degree, ``consolidate``.
   every tensor split across tp, and of a tensor replicated across tp only tp rank 0
   writes (its pieces are ``(0, d)``). Buffers are one chunk, written by the step's rank 0.
   Other replicas write nothing ([Note: one replica writes] in zerostate.runtime.mesh).
-* **Reading.** A load reads, for each view, the global segments of the local range the
-  view holds (:meth:`MeshLayout.local_segments`: one run per row of a ``Shard(1)``
-  tensor), from whatever layout the step was written in: the store shows logical tensors.
+* **Reading.** A load asks, for each view, for the local range the view holds in the
+  engine's own layout (:func:`layout_read`, ``StepSource.read_layout_many``), whatever
+  layout the step was written in: a format-3 step plans it with
+  :func:`zerostate.layout_plan.plan_range`, other formats read its global segments
+  (:meth:`MeshLayout.local_segments`) as logical ranges.
 """
 
 from __future__ import annotations
@@ -134,10 +136,12 @@ def saved_piece(view: ShardView, chunk: int) -> torch.Tensor:
     return padded
 
 
-def read_requests(view: ShardView) -> list[tuple[str, int, int, torch.Tensor]]:
-    """Logical reads filling a mesh view's local range: one per global segment."""
+def layout_read(view: ShardView) -> tuple[str, MeshLayout, int, int, int, torch.Tensor]:
+    """The read filling a mesh view's local range, as ``StepSource.read_layout_many`` takes
+    it: the range of its tp shard in the engine's own layout, landing in the view's memory.
+    A format-3 step plans it whole ([Note: row bands] in zerostate.layout_plan); others read
+    its global segments (one per row of a ``Shard(1)`` tensor)."""
     assert view.mesh is not None
     flat = view.local.reshape(-1)
-    start, stop = view.local_start, view.local_start + flat.numel()
-    segments = view.mesh.local_segments(view.tp_index, start, stop)
-    return [(view.name, g, g + n, flat[p : p + n]) for g, n, p in segments]
+    start = view.local_start
+    return view.name, view.mesh, view.tp_index, start, start + flat.numel(), flat

@@ -22,8 +22,13 @@ piece ``(t, d)`` of every tensor (a tensor replicated across tp: rank ``d`` writ
 ``(0, d)``, tp ranks above 0 write nothing of it). Readers check the mesh entry
 (:func:`zerostate.layout.from_json`) and that the stored layout is exactly the one above
 before anything is read, and show the logical tensor: a read of logical elements
-``[start, stop)`` reads, per piece, the one stored range holding the outer rows it touches
-(:func:`piece_reads`), so memory follows the request, never the whole tensor. A step holding
+``[start, stop)`` is planned by :func:`zerostate.layout_plan.plan_logical`, and a range of
+a tp shard of another layout (an engine view on a mesh, a target piece of ``reshard``:
+``read_layout_many``) by :func:`zerostate.layout_plan.plan_range`; either reads, per source
+piece, the one stored span its copies touch (:func:`stored_start` places the piece), so
+memory follows the request, never the whole tensor. A stored layout that is not exactly
+the one above (pieces that would overlap in its chunks, stored elements outside the tensor,
+pieces beyond the step's rows) is refused when the step is opened. A step holding
 any mesh tensor says ``format_version`` 3 everywhere; readers of version 2 refuse it rather
 than show stored arrays as tensors.
 """
@@ -31,14 +36,11 @@ than show stored arrays as tensors.
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from zerostate.errors import LayoutError
 from zerostate.layout import MeshLayout, PieceId
-from zerostate.partition import TensorLayout, chunk_reads
+from zerostate.partition import TensorLayout
 
 #: The format version of a step holding any mesh tensor.
 VERSION = 3
@@ -57,9 +59,10 @@ def stored_layout(mesh: MeshLayout, world_size: int, name: str = "<tensor>") -> 
     """The format-2 layout of ``mesh``'s stored array in a step of ``world_size`` rows."""
     pieces = num_pieces(mesh)
     if pieces > world_size:
+        last = divmod(pieces - 1, mesh.dp_shard)
         raise LayoutError(
-            f"{name}: {mesh.num_tp_pieces} tp x {mesh.dp_shard} dp pieces do not fit the "
-            f"step's {world_size} rows"
+            f"tensor {name!r}: piece {last} lies outside the step's {world_size} rows "
+            f"({mesh.num_tp_pieces} tp x {mesh.dp_shard} dp pieces, one row each)"
         )
     if mesh.numel == 0:
         return TensorLayout(0, world_size, 1, 0)
@@ -78,70 +81,27 @@ def _largest_piece(mesh: MeshLayout) -> int:
 def check_stored(mesh: MeshLayout, layout: TensorLayout, name: str) -> None:
     """A stored array's layout read from storage must be exactly :func:`stored_layout`."""
     expected = stored_layout(mesh, layout.world_size, name)
-    if layout != expected:
+    if layout == expected:
+        return
+    what = f"tensor {name!r}: stored layout {layout.to_json()} is not its mesh entry's"
+    if layout.chunk_numel < expected.chunk_numel:
         raise LayoutError(
-            f"{name}: stored layout {layout.to_json()} is not the one its mesh entry gives "
-            f"({expected.to_json()})"
+            f"{what}: pieces of up to {expected.chunk_numel} elements would overlap in "
+            f"chunks of {layout.chunk_numel}"
         )
+    if layout.numel > expected.numel or layout.chunk_numel > expected.chunk_numel:
+        raise LayoutError(
+            f"{what}: {layout.numel} stored elements in chunks of {layout.chunk_numel}, where "
+            f"its pieces take {expected.numel} in chunks of {expected.chunk_numel}: stored "
+            "elements lie outside the tensor"
+        )
+    raise LayoutError(f"{what} ({expected.to_json()})")
 
 
-@dataclass(frozen=True, slots=True)
-class PieceRead:
-    """Stored elements ``[start, stop)`` (of the stored array), and where they go: each
-    ``(out offset, offset in this read, numel)``."""
-
-    start: int
-    stop: int
-    copies: tuple[tuple[int, int, int], ...]
-
-
-def piece_reads(mesh: MeshLayout, chunk: int, start: int, stop: int) -> list[PieceRead]:
-    """What to read of the stored array (chunks of ``chunk`` elements) for logical elements
-    ``[start, stop)``, and where each element goes in the result (offsets from ``start``).
-
-    Around the tp dim the logical tensor is ``outer`` rows; the request touches rows
-    ``o0..o1``, and in each tp shard exactly the same rows, which are one contiguous local
-    range: its chunks (pieces) are read whole over that range, then cut into segments. A
-    tensor replicated across tp (or sharded on dim 0) has one row: the request itself."""
-    if not 0 <= start <= stop <= mesh.numel:
-        raise LayoutError(f"range [{start}, {stop}) outside a tensor of {mesh.numel} elements")
-    if start == stop:
-        return []
-    reads: list[PieceRead] = []
-    for t, lo, hi in _local_ranges(mesh, start, stop):
-        dp = mesh.dp_layout(t)
-        for read in chunk_reads(dp, lo, hi):
-            rank = dp.chunk_owner(read.chunk_index)
-            local_a = lo + read.out_start
-            local_b = local_a + (read.chunk_stop - read.chunk_start)
-            copies = []
-            for g, n, p in mesh.local_segments(t, local_a, local_b):
-                a, b = max(g, start), min(g + n, stop)
-                if a < b:
-                    copies.append((a - start, p + a - g, b - a))
-            if copies:
-                base = piece_index(mesh, (t, rank)) * chunk + read.chunk_start
-                reads.append(
-                    PieceRead(base, base + read.chunk_stop - read.chunk_start, tuple(copies))
-                )
-    return reads
-
-
-def _local_ranges(mesh: MeshLayout, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
-    """``(tp shard, local start, local stop)``: the elements of each tp shard lying in the
-    outer rows that logical ``[start, stop)`` touches."""
-    if mesh.tp_dim is None:
-        yield 0, start, stop
-        return
-    inner = math.prod(mesh.shape[mesh.tp_dim + 1 :])
-    row = mesh.shape[mesh.tp_dim] * inner
-    if row == 0:
-        return
-    first, last = start // row, (stop - 1) // row
-    for t in range(mesh.num_tp_pieces):
-        local_row = mesh.local_shape(t)[mesh.tp_dim] * inner
-        if local_row:
-            yield t, first * local_row, (last + 1) * local_row
+def stored_start(mesh: MeshLayout, layout: TensorLayout, piece: PieceId) -> int:
+    """The element of the stored array (of ``layout``) where ``piece`` begins: a planned
+    copy's ``source_offset`` counts from there ([Note: mesh tensors])."""
+    return piece_index(mesh, piece) * layout.chunk_numel
 
 
 def piece_values(mesh: MeshLayout, flat: Any, piece: PieceId, chunk: int) -> Any:

@@ -13,6 +13,8 @@ along with every chunk.
 from __future__ import annotations
 
 import functools
+import math
+import mmap
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +25,7 @@ import crc32c
 import numpy as np
 import torch
 
+from zerostate import layout_plan
 from zerostate.errors import ConfigError, CorruptCheckpointError
 from zerostate.layout import MeshLayout
 from zerostate.partition import chunk_reads, even_layout
@@ -52,6 +55,9 @@ MIN_BLOCK_CHUNKS = 4
 #: Whether a local stream reads through a gap no longer than the run before it
 #: ([Note: filled gaps]).
 FILL_GAPS = True
+#: Scratch spans from this size on are pages of their own (:func:`_scratch`); smaller ones
+#: come from the heap, as glibc's default mmap threshold would place them.
+SCRATCH_MMAP_NBYTES = 128 << 10
 #: Marks a read of a mesh tensor's stored array in ``_read_stored``'s requests.
 _STORED = object()
 
@@ -145,8 +151,8 @@ class StepReaderV2(StepBase):
             raise ConfigError(f"{name}: element {element} outside [0, {info.numel})")
         if name in self._meshes:  # the element's place in the stored array
             mesh, info = self._meshes[name]
-            (read,) = mesh_mod.piece_reads(mesh, info.layout.chunk_numel, element, element + 1)
-            element = read.start + read.copies[0][1]
+            (copy,) = layout_plan.plan_logical(mesh, element, element + 1)
+            element = mesh_mod.stored_start(mesh, info.layout, copy.source) + copy.source_offset
         plan = self._plans[info.group]  # type: ignore[index]
         chunk = element // info.layout.chunk_numel
         rank = info.layout.chunk_owner(chunk)
@@ -198,37 +204,80 @@ class StepReaderV2(StepBase):
         return entry[0] if entry is not None else None
 
     def _read_many_meshes(self, requests: list[tuple]) -> list[torch.Tensor]:
-        """Logical reads of mesh tensors become reads of their stored arrays' pieces, one per
-        piece and request; a piece read that is one contiguous range of the result lands
-        there directly, the others are cut into place afterwards ([Note: mesh scatter]);
+        """Logical reads of mesh tensors, planned by :func:`zerostate.layout_plan.plan_logical`;
         other requests are read as usual."""
         outs: list[Any] = [None] * len(requests)
         plain: list[int] = []
-        stored: list[tuple] = []
-        scatter: list[tuple[torch.Tensor, tuple]] = []
+        planned: list[tuple[str, list, torch.Tensor]] = []
         for i, (name, start, stop, out) in enumerate(requests):
             if name not in self._meshes:
                 plain.append(i)
                 continue
-            mesh, info = self._meshes[name]
             start, stop, out = self._check_range(self.tensors[name], start, stop, out)
             outs[i] = out
-            for read in mesh_mod.piece_reads(mesh, info.layout.chunk_numel, start, stop):
-                n = read.stop - read.start
-                if len(read.copies) == 1 and read.copies[0][1:] == (0, n):
-                    at = read.copies[0][0]
-                    stored.append((_STORED, name, read.start, read.stop, out[at : at + n]))
-                    continue
-                stored.append((_STORED, name, read.start, read.stop, None))
-                scatter.append((out, read.copies))
+            planned.append(
+                (name, layout_plan.plan_logical(self._meshes[name][0], start, stop), out)
+            )
         for i, got in zip(plain, self.read_many([requests[i] for i in plain]), strict=True):
             outs[i] = got
-        read = zip(self._read_stored(stored), stored, strict=True)
-        got = [data for data, request in read if request[4] is None]
-        with torch.no_grad():
-            for data, (out, copies) in zip(got, scatter, strict=True):
-                _scatter(out, data, copies)
+        self._read_planned(planned)
         return outs
+
+    def read_layout_many(self, requests: Iterable[tuple]) -> None:
+        """:meth:`StepBase.read_layout_many`: a mesh tensor's range of a target tp shard is
+        planned at once by :func:`zerostate.layout_plan.plan_range` (row bands: a copy per
+        run of rows, where logical segments would be one read per row); other tensors are
+        read by their logical segments."""
+        planned: list[tuple[str, list, torch.Tensor]] = []
+        rest = []
+        for request in requests:
+            name, target, tp_index, start, stop, out = request
+            if name not in self._meshes:
+                rest.append(request)
+                continue
+            mesh = self._meshes[name][0]
+            if tuple(target.shape) != mesh.shape:
+                raise ConfigError(
+                    f"{name}: a layout of shape {list(target.shape)} asked of a tensor of "
+                    f"shape {list(mesh.shape)}"
+                )
+            numel = math.prod(target.local_shape(tp_index))  # the tp shard, flattened
+            shard = fmt.TensorInfo(name, (numel,), self.tensors[name].dtype, even_layout(numel, 1))
+            start, stop, out = self._check_range(shard, start, stop, out)
+            planned.append((name, layout_plan.plan_range(mesh, target, tp_index, start, stop), out))
+        if rest:
+            super().read_layout_many(rest)
+        self._read_planned(planned)
+
+    def _read_planned(self, planned: list[tuple[str, list, torch.Tensor]]) -> None:
+        """Run planned copies (``(name, copies, out)``, copies from the mesh tensor's pieces
+        into ``out``): one read of each source piece's stored span the copies touch; a span
+        that is one contiguous range of ``out`` lands there directly, the others are copied
+        into place afterwards ([Note: mesh scatter])."""
+        stored: list[tuple] = []
+        scatter: list[tuple[torch.Tensor, torch.Tensor, int, list]] = []
+        for name, plan, out in planned:
+            mesh, info = self._meshes[name]
+            by_piece: dict[Any, list] = {}
+            for copy in plan:
+                by_piece.setdefault(copy.source, []).append(copy)
+            for piece, copies in by_piece.items():
+                base = mesh_mod.stored_start(mesh, info.layout, piece)
+                lo = min(c.source_offset for c in copies)
+                hi = max(c.source_offset + (c.rows - 1) * c.source_stride + c.numel for c in copies)
+                if len(copies) == 1 and copies[0].rows == 1:  # one run: read in place
+                    at = copies[0].target_offset
+                    stored.append((_STORED, name, base + lo, base + hi, out[at : at + hi - lo]))
+                    continue
+                scratch = _scratch(hi - lo, out.dtype)
+                stored.append((_STORED, name, base + lo, base + hi, scratch))
+                scatter.append((out, scratch, lo, copies))
+        self._read_stored(stored)
+        del stored
+        with torch.no_grad():
+            while scatter:  # each scratch span goes once it has been copied out
+                out, data, lo, copies = scatter.pop()
+                _scatter(out, data, lo, copies)
 
     def _read_stored(self, requests: list[tuple]) -> list[torch.Tensor]:
         """:meth:`read_many` of tensors this step's own rows hold."""
@@ -788,40 +837,44 @@ def _copy_payload(rows: np.ndarray, u: int, v: int, dest: np.ndarray, size: int)
         dest[at:] = rows[r1, :o1]
 
 
-def _scatter(out: torch.Tensor, data: torch.Tensor, copies: tuple) -> None:
-    """``out[at : at + n] = data[src : src + n]`` for each ``(at, src, n)`` of ``copies``.
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Room for a stored span that is copied out piecewise: pages of its own, given back to
+    the system when the last reference goes, so a long run of reads (a reshard, a
+    consolidation) does not grow the C heap ([Note: reshard memory] in store/reshard.py).
+    Measured: the 64 MB reshard of (tp 2 x dp 2) to one rank peaked 26.7 MB above an idle
+    process with heap scratch, 15 MB with these. The cost is fresh pages for every read: the
+    four dp-4 ranges of that step read again in one process took 0.07-0.08 s of CPU against
+    0.03 s from the heap, while a first read in a fresh process (a resumed job) took the
+    same either way (0.10-0.14 s)."""
+    if numel * dtype.itemsize < SCRATCH_MMAP_NBYTES:
+        return torch.empty(numel, dtype=dtype)
+    buf = mmap.mmap(-1, numel * dtype.itemsize)
+    return torch.frombuffer(buf, dtype=dtype, count=numel)
+
+
+def _scatter(out: torch.Tensor, data: torch.Tensor, lo: int, copies: list) -> None:
+    """Apply planned copies (:class:`zerostate.layout_plan.Copy`) from ``data``, a source
+    piece's elements from offset ``lo`` on, to ``out``: one copy, strided over its rows.
 
     [Note: mesh scatter]
     A load at another tensor-parallel degree reads, for a tensor sharded on dimension 1 (a
-    row-parallel weight), one stored range per piece and cuts it into one segment per
-    outer row: a 512-row weight read by 4 ranks from 2 tp shards is 128 copies of 688
-    elements per shard and rank. Each piece was read into a scratch tensor (first touches,
-    then a second copy) and cut with one ``copy_`` per segment, about 9,000 per rank on the
-    report's layout row. Now segments of one length at one stride in ``out`` that follow
-    each other in ``data`` are one strided copy, and a piece read that fills one range of
-    ``out`` is read there directly. The layout row (296 MiB, 4 ranks, cold cache), the same
-    command run back to back before and after: 0.536 s against 0.331 s, with ``cat`` of the
-    same files at 0.095 s in both runs."""
-    i, count = 0, len(copies)
-    while i < count:
-        at, src, n = copies[i]
-        j = i + 1
-        stride = copies[j][0] - at if j < count else 0
-        if stride >= n:  # never overlapping destinations in one copy
-            while (
-                j < count
-                and copies[j][2] == n
-                and copies[j][1] == src + (j - i) * n
-                and copies[j][0] == at + (j - i) * stride
-            ):
-                j += 1
-        rows = j - i
-        if rows == 1:
-            out[at : at + n].copy_(data[src : src + n])
-        else:
-            dest = out.as_strided((rows, n), (stride, 1), out.storage_offset() + at)
-            dest.copy_(data[src : src + rows * n].view(rows, n))
-        i = j
+    row-parallel weight), one stored span per piece that holds one segment per outer row: a
+    512-row weight read by 4 ranks from 2 tp shards is 128 segments of 688 elements per
+    shard and rank. Each piece was read into a scratch tensor (first touches, then a second
+    copy) and cut with one ``copy_`` per segment, about 9,000 per rank on the report's
+    layout row. Now the planner's row bands ([Note: row bands] in zerostate.layout_plan)
+    give one copy per run of rows at one stride, done as one strided copy, and a piece read
+    that fills one range of ``out`` is read there directly. The layout row (296 MiB, 4 ranks,
+    cold cache), the same command run back to back before and after strided copies: 0.536 s
+    against 0.331 s, with ``cat`` of the same files at 0.095 s in both runs."""
+    base_out, base_data = out.storage_offset(), data.storage_offset()
+    for c in copies:
+        src = c.source_offset - lo
+        if c.rows == 1:
+            out[c.target_offset : c.target_offset + c.numel].copy_(data[src : src + c.numel])
+            continue
+        dest = out.as_strided((c.rows, c.numel), (c.target_stride, 1), base_out + c.target_offset)
+        dest.copy_(data.as_strided((c.rows, c.numel), (c.source_stride, 1), base_data + src))
 
 
 def _split_crc32c(segments: tuple[memoryview, ...]) -> int:

@@ -27,8 +27,9 @@ Measured on a 64 MB step of eight 8 MB fp32 tensors at tp 2 x dp 2 (2 MB pieces)
 above a process that had done a tiny reshard already: to one rank 91-112 MB before, 26-28
 MB after; to tp 1 x dp 4 38-51 MB before, 13-14 MB after. With 16 MB blocks the first was
 38 MB, with 2 MB blocks 13-14 MB; 4 MB is between, as ranged requests to object stores
-should not get small. A logical read that is one run of a stored piece lands in place
-(``StepReaderV2._read_many_meshes``); only reads cut into several runs use scratch.
+should not get small. A read that is one run of a stored piece lands in place
+(``StepReaderV2._read_planned``); only reads cut into several runs use scratch, pages of
+their own as well (``reader_v2._scratch``).
 """
 
 from __future__ import annotations
@@ -306,7 +307,7 @@ def _reshard_mesh(
         for info, mesh, spec in zip(infos, meshes, specs, strict=True):
             if piece[0] < mesh.num_tp_pieces and spec.layout.numel:
                 chunk = spec.layout.chunk_numel
-                read = _PieceSource(st, info, mesh.segments(piece), chunk)
+                read = _PieceSource(st, info, mesh, piece, chunk)
                 shards[info.name] = LazyShard(chunk, info.dtype, read)
         return shards
 
@@ -315,20 +316,19 @@ def _reshard_mesh(
 
 
 class _PieceSource(_Blocks):
-    """One target piece (padded to its row's chunk), assembled from the source's logical
-    ranges of the piece's segments."""
+    """One target piece (padded to its row's chunk), read as the range of its tp shard in
+    the target layout: a format-3 source plans it with ``layout_plan.plan_range``, any other
+    reads its logical segments (``StepSource.read_layout_many``)."""
 
-    def __init__(self, st: Any, info: Any, segments: list, chunk: int) -> None:
+    def __init__(self, st: Any, info: Any, mesh: MeshLayout, piece: tuple, chunk: int) -> None:
         super().__init__(st, info, chunk)
-        self.segments = segments
+        self.mesh, self.tp_index = mesh, piece[0]
+        self.lo, self.hi = mesh.dp_layout(piece[0]).owned_range(piece[1])
 
     def _fill(self, first: int, stop: int) -> torch.Tensor:
         out = _block(stop - first, self.info.dtype)  # zeros: the padding stays zero
-        requests = []
-        for g, n, p in self.segments:  # in piece order
-            a, b = max(p, first), min(p + n, stop)
-            if a < b:
-                requests.append((self.info.name, g + a - p, g + b - p, out[a - first : b - first]))
-        if requests:
-            self.st.read_many(requests)
+        end = min(stop, self.hi - self.lo)  # elements past the piece are padding
+        if end > first:
+            request = (self.info.name, self.mesh, self.tp_index, self.lo + first, self.lo + end)
+            self.st.read_layout_many([(*request, out[: end - first])])
         return out

@@ -24,6 +24,10 @@ import torch
 from zerostate.errors import ConfigError
 from zerostate.store.format import TensorInfo
 
+#: ``(name, target layout, tp index, start, stop, out)``: see
+#: :meth:`StepBase.read_layout_many`; ``out`` a contiguous 1-D CPU tensor of the tensor's dtype.
+LayoutRead = tuple[str, Any, int, int, int, torch.Tensor]
+
 
 class StepBase:
     """One committed step of some format. Thread-safe; reads use a small pool that
@@ -141,6 +145,19 @@ class StepBase:
         # on the threads running these requests.
         with ThreadPoolExecutor(min(4, len(items)), thread_name_prefix="zs-read-many") as pool:
             return list(pool.map(lambda r: self.read_range(*r), items))
+
+    def read_layout_many(self, requests: Iterable[LayoutRead]) -> None:
+        """Fill each request's ``out`` with elements ``[start, stop)`` of flattened tp shard
+        ``tp_index`` of tensor ``name`` laid out as ``target`` (a
+        :class:`~zerostate.layout.MeshLayout` of the tensor's global shape): what a rank of a
+        tp x dp mesh, or a target piece of ``reshard``, holds. Here: the logical segments of
+        that range, read with :meth:`read_many`; a format storing tp pieces plans the whole
+        range at once instead (format 3, ``reader_v2``)."""
+        logical = []
+        for name, target, tp_index, start, stop, out in requests:
+            for g, n, p in target.local_segments(tp_index, start, stop):
+                logical.append((name, g, g + n, out[p : p + n]))
+        self.read_many(logical)
 
     def read_chunk(self, name: str, index: int) -> memoryview:
         """The verified bytes of layout chunk ``index`` (its owner's range)."""

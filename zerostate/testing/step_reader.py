@@ -107,6 +107,28 @@ class StepReaderTests:
             assert got.data_ptr() == out.data_ptr() or out.numel() == 0, (name, a, b)
             assert torch.equal(out, case.step.read_range(name, a, b)), (name, a, b)
 
+    def test_layout_reads_equal_the_logical_segments(self, case: StepCase) -> None:
+        """``read_layout_many``: ranges of the tp shards of a tp 2 x dp 2 layout of every
+        tensor (sharded on its last dim, as a row-parallel weight is) hold what the logical
+        tensor has at their global segments."""
+        from zerostate.layout import MeshLayout
+
+        requests = []
+        for name, info in case.step.tensors.items():
+            shape = tuple(info.shape)
+            if not shape:
+                continue
+            mesh = MeshLayout(shape=shape, tp_dim=len(shape) - 1, tp_degree=2, dp_shard=2)
+            for t, d in mesh.piece_ids():
+                lo, hi = mesh.dp_layout(t).owned_range(d)
+                out = torch.full((hi - lo,), 7, dtype=info.dtype)
+                requests.append((name, mesh, t, lo, hi, out))
+        case.step.read_layout_many(requests)
+        for name, mesh, t, lo, hi, out in requests:
+            flat = case.step.read(name).reshape(-1)
+            for g, n, p in mesh.local_segments(t, lo, hi):
+                assert torch.equal(out[p : p + n], flat[g : g + n]), (name, t, lo, hi)
+
     def test_out_of_the_wrong_kind_is_refused(self, case: StepCase) -> None:
         name, info = next((n, i) for n, i in case.step.tensors.items() if i.numel >= 2)
         wrong = torch.float64 if info.dtype != torch.float64 else torch.float32
