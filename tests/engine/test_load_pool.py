@@ -29,7 +29,9 @@ def test_repeated_loads_start_their_read_threads_once(tmp_path, monkeypatch):
         engine.step()
         engine.save(str(tmp_path / "ckpt"))
         saved = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        before = {t.name for t in threading.enumerate()}
+        # Threads by identity, not name: a save's read threads still ending under load carry
+        # the same names as the load pool's, and a set of names would hide the new ones.
+        before = set(threading.enumerate())
         for _ in range(3):
             with torch.no_grad():
                 for p in engine.module.parameters():
@@ -40,7 +42,7 @@ def test_repeated_loads_start_their_read_threads_once(tmp_path, monkeypatch):
             # The loaded step was closed and its pool is waiting for the next load.
             assert [len(v) for v in step_base._idle_pools.values()] == [1]
         assert len(starts) == 1
-        new = {t.name for t in threading.enumerate()} - before
+        new = set(threading.enumerate()) - before
         assert len(new) == starts[0]  # one pool's threads, whatever the number of loads
     finally:
         engine.close()
