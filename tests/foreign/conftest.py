@@ -92,6 +92,27 @@ def run_cli(*argv: str) -> SimpleNamespace:
     return SimpleNamespace(returncode=int(code or 0), stdout=out.getvalue(), stderr=err.getvalue())
 
 
+def one_line_refusals(root: Path, out: Path, *extra: list[str]) -> list[tuple[list[str], str]]:
+    """Runs ``inspect``, ``verify``, ``consolidate``, ``reshard --world-size 2`` and ``extra``
+    commands on ``root`` (outputs under ``out``); each must exit non-zero with exactly one
+    line on stderr. Returns ``(command, line)`` pairs for the caller's checks of the line."""
+    commands = [
+        ["inspect", str(root)],
+        ["verify", str(root)],
+        ["consolidate", str(root), str(out / "out.safetensors")],
+        ["reshard", str(root), str(out / "out"), "--world-size", "2"],
+        *extra,
+    ]
+    found = []
+    for args in commands:
+        result = run_cli(*args)
+        assert result.returncode != 0, (args, result.stdout)
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        assert len(lines) == 1, (args, result.stderr)
+        found.append((args, lines[0]))
+    return found
+
+
 def assert_reshards_to_format2(path: Path, out: Path, world_size: int = 3) -> None:
     """``zerostate reshard`` of the peer checkpoint at ``path`` writes a format-2 step for
     ``world_size`` ranks holding exactly the tensors the peer's step holds."""

@@ -18,7 +18,7 @@ from torch import nn
 from world_of_one import world_of_one  # noqa: F401 - fixture
 
 import zerostate
-from tests.foreign.conftest import run_cli
+from tests.foreign.conftest import one_line_refusals, run_cli
 from tests.store.test_mesh_store import _rewrite_mesh, write_mesh_step
 from zerostate.errors import LayoutError
 from zerostate.store.root import CheckpointRoot
@@ -77,19 +77,10 @@ def test_every_command_refuses_it_in_one_line(good_step, tmp_path, problem):
     want = HOSTILE[problem][1]
     with pytest.raises(LayoutError, match=want):
         CheckpointRoot.open(str(root)).step(2)
-    for args in (
-        ["inspect", str(root)],
-        ["verify", str(root)],
-        ["consolidate", str(root), str(tmp_path / "out.safetensors")],
-        ["reshard", str(root), str(tmp_path / "out"), "--world-size", "2"],
-        ["reshard", str(root), str(tmp_path / "out-tp"), "--tp", "2", "--dp", "1"],
-    ):
-        result = run_cli(*args)
-        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        assert result.returncode != 0, (args, result.stdout)
-        assert len(lines) == 1, (problem, args, result.stderr)
-        assert repr(TENSOR) in lines[0], lines[0]
-        assert re.search(want, lines[0]), lines[0]
+    extra = ["reshard", str(root), str(tmp_path / "out-tp"), "--tp", "2", "--dp", "1"]
+    for args, line in one_line_refusals(root, tmp_path, extra):
+        assert repr(TENSOR) in line, (problem, args, line)
+        assert re.search(want, line), (problem, args, line)
     assert not (tmp_path / "out.safetensors").exists()
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("step-*"))
 
