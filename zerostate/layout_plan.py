@@ -31,13 +31,6 @@ The source side of the last two (its pieces' bands, its sorted segments) is buil
 layout and kept with it (:meth:`MeshLayout.memo`), so the many ranges a reader asks of one
 tensor pay for it once.
 
-[Note: row bands];
-* **consolidation** otherwise, when the target is tp 1 x dp 1: the target piece is the global
-  tensor itself, so every source segment is one copy to its global offset;
-* **general** (few rows): every source segment sorted by global start, and each target
-  segment walks the sorted list from a bisection (sorted interval intersection), one copy
-  per overlap.
-
 [Note: row bands]
 Around a shard dim ``d`` every layout of a tensor views it as ``outer`` rows of
 ``prod(shape[d:])`` elements, and a piece of a layout sharded on ``d`` holds, in every row it
