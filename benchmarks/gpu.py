@@ -62,7 +62,8 @@ def parity(params: dict, ctx: Ctx) -> dict:
 
 
 def _opts(**kw: Any) -> argparse.Namespace:
-    base = dict(quick=False, nproc=1, load_nproc=1, steps=10, precision="fp32", timeout=300.0,
+    base = dict(quick=False, nproc=1, load_nproc=1, steps=10, rounds=1, precision="fp32",
+                timeout=300.0,
                 verbose=False, contenders=None, dir=None, model=None, io_model=None,
                 batch=None, quick_jobs=False)
     return argparse.Namespace(**{**base, **kw})

@@ -263,6 +263,11 @@ def gpu(limit_s: float = 240.0) -> dict[str, Any]:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
+    # deepspeed.initialize asserts LOCAL_RANK even when the process group exists already
+    # (without it the DeepSpeed row of the H200 run failed; benchmarks/README.md "GPU").
+    for name in ("RANK", "LOCAL_RANK"):
+        os.environ.setdefault(name, "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
     if not dist.is_initialized():
         dist.init_process_group("nccl", rank=0, world_size=1)
     out: dict[str, Any] = {}
