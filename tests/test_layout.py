@@ -488,9 +488,9 @@ def test_tp8_dp128_plans_in_well_under_a_second(case):
     for target in targets:
         for src, dst in ((big, target), (target, big)):
             # This thread's CPU time, not wall time: peers' jobs share the cores and stretch
-            # the wall clock. The collector is paused: late in a whole-suite run one full
-            # collection of the process's heap took longer than a plan (1.13 s measured).
-            gc.collect()
+            # the wall clock. The collector is paused, not run first: late in a whole-suite
+            # run one full collection of the process's heap took longer than a plan (1.13 s
+            # measured), and a collection before each plan cost this file 100 s of the suite.
             gc.disable()
             try:
                 start = time.thread_time()
