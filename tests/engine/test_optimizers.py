@@ -8,11 +8,22 @@ One process group per world size; each worker loops over optimizers and stages.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
 import torch
-from common import EPS, LR, batch, compare, engine_steps, local, make_model, rel
+from common import (
+    EPS,
+    LR,
+    batch,
+    compare,
+    engine_steps,
+    local,
+    make_model,
+    rel,
+    single_threaded,
+)
 from helpers_dist import run_distributed
 from torch import nn
 
@@ -117,7 +128,7 @@ def muon_spread(world_size: int) -> float:
     world size N must stay within twice that spread of torch, and exactness is shown on a
     model whose gradients are exact integers (:func:`_muon_exact`), so that every
     summation order gives the same bits."""
-    full_losses, full_params = reference("muon")
+    full_losses, full_params = _reference_once("muon")
     losses, params = reference("muon", (world_size, world_size))
     return compare(losses, full_losses, params, full_params)[1]
 
@@ -203,12 +214,29 @@ def _lrs_after(kind: str, steps: int) -> list[float]:
     return [g["lr"] for opt in opts for g in opt.param_groups], first
 
 
-def _worker(rank: int, world_size: int, ckpt: str, resume: bool) -> dict:
+@functools.cache
+def _references(world_size: int) -> dict:
+    """Every optimizer's single-process reference and, past one rank, torch Muon's own
+    spread at ``world_size``: computed once in the test process and handed to the ranks
+    (each rank used to compute them all, at every world size)."""
+    with single_threaded():
+        refs = {kind: _reference_once(kind) for kind in OPTIMIZERS}
+        if world_size > 1:
+            refs["muon_spread"] = muon_spread(world_size)
+        return refs
+
+
+@functools.cache
+def _reference_once(kind: str):
+    return reference(kind)
+
+
+def _worker(rank: int, world_size: int, ckpt: str, resume: bool, refs: dict) -> dict:
     out = {}
     for kind in OPTIMIZERS:
-        ref_losses, ref_params = reference(kind)
+        ref_losses, ref_params = refs[kind]
         if kind == "muon" and world_size > 1:
-            out[("muon_spread", world_size)] = muon_spread(world_size)
+            out[("muon_spread", world_size)] = refs["muon_spread"]
         for stage in range(4):
             engine, sched = _engine(kind, stage)
             losses = _train(engine, sched, rank, world_size, 0, SAVE_AT)
@@ -261,7 +289,7 @@ def _check(results: list[dict], world_size: int) -> None:
 @pytest.fixture(scope="module")
 def saved_at_4(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("optim_ckpt"))
-    return ckpt, run_distributed(_worker, 4, ckpt, False, timeout=900)
+    return ckpt, run_distributed(_worker, 4, ckpt, False, _references(4), timeout=900)
 
 
 @pytest.mark.slow
@@ -273,7 +301,9 @@ def test_parity_world_size_4_and_save(saved_at_4) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_parity_and_resume(saved_at_4, world_size: int) -> None:
     ckpt, _ = saved_at_4
-    results = run_distributed(_worker, world_size, ckpt, world_size in (2, 3), timeout=900)
+    results = run_distributed(
+        _worker, world_size, ckpt, world_size in (2, 3), _references(world_size), timeout=900
+    )
     _check(results, world_size)
     if world_size == 1:
         return

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from common import CheckpointedGPT2, compare, engine_steps, make_engine, make_model, reference_run
+import functools
+
+from common import (
+    CheckpointedGPT2,
+    compare,
+    engine_steps,
+    make_engine,
+    make_model,
+    reference_run,
+    single_threaded,
+)
 from helpers_dist import run_distributed
 
 from zerostate.models.gpt2 import GPT2
@@ -28,14 +38,22 @@ VARIANTS = {
 }
 
 
-def _parity_worker(rank: int, world_size: int) -> dict:
+@functools.cache
+def _references() -> dict:
+    """Each variant's single-process reference, computed once in the test process for every
+    world size (the ranks used to compute it each, at every world size)."""
+    with single_threaded():
+        return {
+            name: reference_run(make_model(cls=cls or GPT2), STEPS, **ref_settings)
+            for name, (_, ref_settings, cls) in VARIANTS.items()
+        }
+
+
+def _parity_worker(rank: int, world_size: int, references: dict) -> dict:
     results = {}
-    references = {}
-    for name, (settings, ref_settings, cls) in VARIANTS.items():
+    for name, (settings, _, cls) in VARIANTS.items():
         stages = [3] if name.endswith("stage3_only") else [0, 1, 2, 3]
         model_cls = cls or GPT2
-        if name not in references:
-            references[name] = reference_run(make_model(cls=model_cls), STEPS, **ref_settings)
         ref_losses, ref_params = references[name]
         for stage in stages:
             engine = make_engine(make_model(cls=model_cls), stage=stage, **settings)
@@ -52,7 +70,7 @@ def _parity_worker(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_fp32_parity_with_torch_adamw(world_size: int) -> None:
-    results = run_distributed(_parity_worker, world_size, timeout=300)
+    results = run_distributed(_parity_worker, world_size, _references(), timeout=300)
     for rank_results in results:
         assert rank_results == results[0]  # every rank reports the same gathered state
     bad = {}
