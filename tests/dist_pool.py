@@ -97,9 +97,10 @@ def pooling_allowed() -> bool:
 # [Note: forked workers]: a spawned rank imports torch and zerostate before its first line
 # of work (4.4 CPU s measured on this machine; a 4-rank call pays 4 times that on 2 cores).
 # Workers are forked instead, from fork servers (multiprocessing's forkserver machinery)
-# that imported those once (torch, torch.distributed and every zerostate module but the
-# integrations) and start no threads, process groups or engines: a forked worker is a
-# new process with a clean copy of that import state. Rank r forks from server r, each
+# that imported those once (torch, torch.distributed, every zerostate module but the
+# integrations, and the transformers models the tests build) and start no threads,
+# process groups or engines: a forked worker is a new process with a clean copy of that
+# import state. Rank r forks from server r, each
 # a spawned interpreter of its own, so the ranks of one call differ in Python's hash
 # seed as spawned ranks do (an iteration order that differs across ranks still shows);
 # torch's and numpy's RNGs are reseeded from the OS in each worker, as a new process
@@ -118,7 +119,14 @@ def _preload_names() -> list[str]:
     for info in pkgutil.walk_packages(zerostate.__path__, "zerostate."):
         if not info.name.startswith("zerostate.integrations"):
             names.append(info.name)
-    return names
+    # The transformers models the multi-rank tests build (2.7 CPU s per rank otherwise,
+    # paid again by every rank of every call); skipped quietly where it is not installed.
+    return names + TRANSFORMERS_PRELOAD
+
+
+#: Imported by the fork servers after zerostate ([Note: forked workers]).
+TRANSFORMERS_PRELOAD = ["transformers", "transformers.models.llama.modeling_llama",
+                        "transformers.models.gpt2.modeling_gpt2"]
 
 
 def _server(index: int) -> forkserver.ForkServer:
