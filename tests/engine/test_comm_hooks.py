@@ -3,7 +3,6 @@ completion hooks of pending reduces ([Note: completion hooks])."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 from common import engine_steps, make_engine, make_model
@@ -12,9 +11,10 @@ from helpers_dist import run_distributed
 from zerostate.collectives import Handle
 from zerostate.comm import InFlight, PendingOp
 
-# Fresh processes per test, not pooled workers: its ranks wrap torch.distributed's collectives to
-# measure them and keep the wrappers.
-pytestmark = pytest.mark.fresh_processes
+# Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks wrap
+# torch.distributed's collectives to measure them and keep the wrappers. Each call forks new
+# processes ([Note: forked workers] in tests/dist_pool.py); nothing here needs a new interpreter,
+# so the ranks are not spawned.
 
 _COLLECTIVES = (
     "all_reduce",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 from helpers_dist import run_distributed
 from safetensors.torch import load_file
@@ -17,9 +16,10 @@ from zerostate.errors import ConfigError
 from zerostate.store import open_checkpoint
 from zerostate.store.consolidate import consolidate
 
-# Fresh processes per test, not pooled workers: its ranks change torch._dynamo's config and fill
-# its caches.
-pytestmark = pytest.mark.fresh_processes
+# Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks change
+# torch._dynamo's config and fill its caches. Each call forks new processes ([Note: forked
+# workers] in tests/dist_pool.py); nothing here needs a new interpreter, so the ranks are not
+# spawned.
 
 STEPS = 3
 WIDTH = 16

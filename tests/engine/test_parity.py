@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import functools
 
+import pytest
 from common import (
     CheckpointedGPT2,
     compare,

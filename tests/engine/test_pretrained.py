@@ -14,9 +14,10 @@ import torch
 from helpers_dist import run_distributed
 from torch import nn
 
-# Fresh processes per test, not pooled workers: its ranks wrap SafetensorsSource.read_elements to
-# count bytes and keep the wrapper.
-pytestmark = pytest.mark.fresh_processes
+# Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks wrap
+# SafetensorsSource.read_elements to count bytes and keep the wrapper. Each call forks new
+# processes ([Note: forked workers] in tests/dist_pool.py); nothing here needs a new interpreter,
+# so the ranks are not spawned.
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers_dist import run_distributed  # noqa: E402
 
-# Fresh processes per test, not pooled workers: its ranks misuse the engine on purpose and may
-# leave it mid-save.
-pytestmark = pytest.mark.fresh_processes
+# Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks misuse the
+# engine on purpose and may leave it mid-save. Each call forks new processes ([Note: forked
+# workers] in tests/dist_pool.py); nothing here needs a new interpreter, so the ranks are not
+# spawned.
 
 
 def _model() -> torch.nn.Module:

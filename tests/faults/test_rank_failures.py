@@ -22,9 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from helpers_dist import run_distributed  # noqa: E402
 
-# Fresh processes per test, not pooled workers: its ranks fail, fill disks and set the commit
-# timeout in the environment.
-pytestmark = pytest.mark.fresh_processes
+# Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks fail, fill
+# disks and set the commit timeout in the environment. Each call forks new processes ([Note:
+# forked workers] in tests/dist_pool.py); nothing here needs a new interpreter, so the ranks are
+# not spawned.
 
 #: Every rank must have raised within this many seconds of the failure.
 BOUND_S = 30.0
