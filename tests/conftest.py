@@ -6,14 +6,19 @@ a silently skipped S3 suite would hide exactly the bugs it exists to catch.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# No test reaches the Hugging Face hub (models come from configs). Set before any fork
+# server starts: huggingface_hub reads it when imported there.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dist_pool  # noqa: E402
+import forked_launch  # noqa: E402
 import helpers_dist  # noqa: E402
 from seaweed import S3Server, start_seaweedfs, stop_seaweedfs  # noqa: E402
 
@@ -68,6 +73,7 @@ def _pool_context(request):
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     dist_pool.shutdown()
+    forked_launch.stop_servers()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,6 +1,7 @@
-"""A real ``lightning.pytorch.Trainer`` (examples/lightning_train.py under torchrun, 2 gloo
-ranks) with ``ZeroStateStrategy`` at stages 1-3: the loss of every micro-batch equals
-Lightning's own DDP strategy on the same seed (AdamW, warm-up schedule, gradient
+"""A real ``lightning.pytorch.Trainer`` (examples/lightning_train.py on 2 gloo ranks, under
+real torchrun at stage 3, with forked ranks otherwise: [Note: forked launches] in
+tests/forked_launch.py) with ``ZeroStateStrategy`` at stages 1-3: the loss of every
+micro-batch equals Lightning's own DDP strategy on the same seed (AdamW, warm-up schedule, gradient
 accumulation and clipping from the Trainer's flags); ``ckpt_path`` resume from an epoch's
 checkpoint (saved asynchronously at stage 2) at 1 and 3 devices continues the
 uninterrupted curve."""
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_launch
 import pytest
 from helpers_dist import free_port
 
@@ -22,13 +24,23 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "lightning_train.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 RTOL = 1e-5
+PRELOAD = ("lightning.pytorch", "zerostate.integrations.lightning")
 
 
-def _run(work: Path, nproc: int, log: Path, *args: str) -> list[tuple[int, float]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", str(EXAMPLE), "--workdir", str(work),
-           "--log-json", str(log), *args]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
+def _run(
+    work: Path, nproc: int, log: Path, *args: str, torchrun: bool = False
+) -> list[tuple[int, float]]:
+    """The example on ``nproc`` ranks: under real ``torchrun`` when asked, else with ranks
+    forked from servers that imported Lightning once ([Note: forked launches])."""
+    work.mkdir(parents=True, exist_ok=True)
+    argv = ["--workdir", str(work), "--log-json", str(log), *args]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", str(EXAMPLE), *argv]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
+    else:
+        proc = forked_launch.launch(EXAMPLE, nproc, argv, env=ENV, timeout=400, workdir=work,
+                                    preload=PRELOAD)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return [(r["step"], r["loss"]) for r in map(json.loads, log.read_text().splitlines())]
 
@@ -50,7 +62,9 @@ def ddp_curve(tmp_path_factory):
 @pytest.mark.parametrize("stage,resume_devices", [(1, [3]), (2, [1]), (3, [1, 3])])
 def test_lightning_strategy_matches_ddp_and_resumes(tmp_path, ddp_curve, stage, resume_devices):
     extra = ["--async-save"] if stage == 2 else []  # saves in the background at stage 2
-    curve = _run(tmp_path, 2, tmp_path / "log.jsonl", "--stage", str(stage), *extra)
+    # Stage 3 under real torchrun, as users launch it; the other runs fork their ranks.
+    curve = _run(tmp_path, 2, tmp_path / "log.jsonl", "--stage", str(stage), *extra,
+                 torchrun=stage == 3)  # fmt: skip
     assert len(curve) == 16 and curve[-1][0] == 7  # 2 epochs x 8 micro-batches, 8 steps
     worst = _close(curve, ddp_curve)
     print(f"\nstage {stage}: max relative loss difference to DDP {worst:.2e}")

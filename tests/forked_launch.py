@@ -1,0 +1,183 @@
+"""Run an example script on N ranks the way ``torchrun --nproc_per_node=N`` starts it, with
+ranks forked from servers that imported the heavy libraries once.
+
+[Note: forked launches]: a ``torchrun`` job of an example costs a launcher interpreter and,
+per rank, an interpreter that imports torch and the example's framework before its first
+line of work: 12 of the 14 CPU seconds of one 2-rank ``examples/hf_trainer.py`` job were
+imports (measured on this machine), Lightning's ranks 7.7 s each. :func:`launch` gives each
+rank what ``torchrun`` gives it (the environment variables ``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``; ``sys.argv``; the script run as ``__main__``; its
+exit status) in a process forked from fork server r (one per rank, started once per test
+process), which imported torch, zerostate and the ``preload`` modules. What it does not
+give: the elastic agent (restarts, rendezvous) and a new interpreter. Tests of those keep
+real ``torchrun`` (tests/faults/test_torchrun_restart.py, tests/e2e/), and every example
+launched here is also launched by real ``torchrun`` at least once in its own test file.
+Modules whose import reads the environment must not be in ``preload`` unless the
+environment the tests give them is the test process's own (``HF_HUB_OFFLINE`` is read by
+huggingface_hub at import: the test process sets it before the servers start).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from pathlib import Path
+from typing import Any
+
+import dist_pool
+from helpers_dist import free_port
+
+_servers: dict[tuple[int, tuple[str, ...]], forkserver.ForkServer] = {}
+
+
+def _server(rank: int, preload: tuple[str, ...]) -> forkserver.ForkServer:
+    key = (rank, preload)
+    server = _servers.get(key)
+    if server is None:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(dist_pool._preload_names() + list(preload))
+        _servers[key] = server
+    return server
+
+
+class _Popen(popen_forkserver.Popen):
+    """``popen_forkserver.Popen._launch`` asking this module's server for the rank."""
+
+    def _launch(self, process_obj: Any) -> None:
+        server = _server(process_obj.rank, process_obj.preload)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        self.sentinel, w = server.connect_to_new_process(self._fds)
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _Rank(mp_context.ForkServerProcess):
+    rank = 0
+    preload: tuple[str, ...] = ()
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _Popen:
+        return _Popen(process_obj)
+
+
+def _rank_main(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """The rank's whole life: torchrun's environment, output to files, the script as
+    ``__main__``, its exit status as the process's."""
+    import runpy
+
+    with open(out, "wb") as o, open(err, "wb") as e:
+        os.dup2(o.fileno(), 1)
+        os.dup2(e.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as the process
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(
+    script: Path | str,
+    nproc: int,
+    args: list[str],
+    *,
+    env: dict[str, str],
+    timeout: float,
+    workdir: Path,
+    preload: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc script *args`` with forked ranks ([Note: forked
+    launches]); the outputs of all ranks, rank order, in the result. A rank that fails
+    or overruns ``timeout`` ends the others, as torchrun does."""
+    port = free_port()
+    run_id = f"forked-{os.getpid()}-{port}"
+    procs, files = [], []
+    for rank in range(nproc):
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
+                        ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        TORCHELASTIC_RUN_ID=run_id)  # fmt: skip
+        out, err = workdir / f".rank{rank}.out", workdir / f".rank{rank}.err"
+        files.append((out, err))
+        proc = _Rank(target=_rank_main, args=(str(script), list(args), rank_env, str(out),
+                                              str(err)), daemon=True)  # fmt: skip
+        proc.rank, proc.preload = rank, tuple(preload)
+        proc.start()
+        procs.append(proc)
+    deadline = time.monotonic() + timeout
+    failed = False
+    while any(p.is_alive() for p in procs):
+        if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+            failed = True
+            time.sleep(0 if time.monotonic() > deadline else 2.0)  # let the others report
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            break
+        time.sleep(0.05)
+    for p in procs:
+        p.join(timeout=10)
+    codes = [p.exitcode for p in procs]
+    rc = 0 if all(c == 0 for c in codes) and not failed else 1
+    stdout = "".join(o.read_text(errors="replace") for o, _ in files)
+    stderr = "".join(f"--- rank {r} (exit {codes[r]}) ---\n" + e.read_text(errors="replace")
+                     for r, (_, e) in enumerate(files))  # fmt: skip
+    if time.monotonic() > deadline:
+        stderr += f"\nforked launch: did not finish within {timeout} s\n"
+    return subprocess.CompletedProcess([str(script), *args], rc, stdout, stderr)
+
+
+def stop_servers() -> None:
+    """End this module's fork servers (closing their "alive" pipes, then waiting)."""
+    while _servers:
+        server = _servers.popitem()[1]
+        pid, alive = server._forkserver_pid, server._forkserver_alive_fd
+        if pid is None:
+            continue
+        try:
+            os.close(alive)
+        except OSError:
+            pass
+        end = time.monotonic() + 10.0
+        try:
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > end:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.05)
+        except (ChildProcessError, ProcessLookupError):
+            pass
