@@ -33,6 +33,10 @@ from typing import Any
 import dist_pool
 from helpers_dist import free_port
 
+#: What the tests preload for each framework (one set each, so that files share servers).
+LIGHTNING = ("lightning.pytorch", "zerostate.integrations.lightning")
+HF_TRAINER = ("transformers.trainer", "zerostate.integrations.hf")
+
 _servers: dict[tuple[int, tuple[str, ...]], forkserver.ForkServer] = {}
 
 

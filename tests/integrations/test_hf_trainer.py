@@ -24,7 +24,7 @@ from zerostate.store import open_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "hf_trainer.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-PRELOAD = ("transformers.trainer", "zerostate.integrations.hf")
+PRELOAD = forked_launch.HF_TRAINER
 
 
 def _run(work: Path, nproc: int, *args: str, torchrun: bool = False) -> list[tuple[int, float]]:

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "lightning_train.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 RTOL = 1e-5
-PRELOAD = ("lightning.pytorch", "zerostate.integrations.lightning")
+PRELOAD = forked_launch.LIGHTNING
 
 
 def _run(

@@ -1,10 +1,10 @@
 """The Lightning strategy and the HF Trainer pass ``mesh=`` and ``tp_plan="auto"`` through to
 the engine: a transformers Llama, parallelized by the engine from its own
-``base_model_tp_plan`` (TP on q/k/v/o/gate/up/down), trains on 4 gloo ranks at
-(dp_shard 2 x tp 2) under torchrun, stage 2, SGD, and its weights after 3 steps equal
-single-process SGD on the global batches the data-parallel ranks trained on (the tp ranks
-of each data-parallel coordinate saw the same batches, the two coordinates different
-ones)."""
+``base_model_tp_plan`` (TP on q/k/v/o/gate/up/down), trains on 4 gloo ranks at (dp_shard 2 x
+tp 2) under torchrun (Lightning's ranks forked as torchrun starts them), stage 2, SGD, and
+its weights after 3 steps equal single-process SGD on the global batches the data-parallel
+ranks trained on (the tp ranks of each data-parallel coordinate saw the same batches, the
+two coordinates different ones)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked_launch
 import pytest
 from helpers_dist import free_port
 
@@ -24,9 +25,15 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE
 
 
 def _run(which: str, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-           f"--master_port={free_port()}", str(WORKER), which, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    """The HF run under real torchrun; the Lightning run with ranks forked from servers that
+    imported Lightning once ([Note: forked launches] in tests/forked_launch.py)."""
+    if which == "hf":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+               f"--master_port={free_port()}", str(WORKER), which, str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
+    else:
+        proc = forked_launch.launch(WORKER, 4, [which, str(out)], env=ENV, timeout=600,
+                                    workdir=out, preload=forked_launch.LIGHTNING)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return json.loads((out / "result.json").read_text())
 
