@@ -101,14 +101,19 @@ def run_distributed(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT_S,
     pooled: bool | None = None,
+    spawn: bool | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args, **kwargs) for rank in range(world_size)]`` on gloo.
-    ``pooled=None`` pools unless the running test is marked ``fresh_processes``."""
+    ``pooled=None`` pools unless the running test is marked ``fresh_processes``;
+    ``pooled=False`` gives new processes, spawned interpreters unless ``spawn=False`` asks
+    for processes forked from the fork servers ([Note: forked workers]): new processes
+    that need no new interpreter (a peer that changes process-wide state, say)."""
     pg_timeout_s = max(30.0, timeout / 2)
     if pooled or (pooled is None and dist_pool.pooling_allowed()):
         return dist_pool.run_pooled(fn, world_size, args, kwargs, timeout, pg_timeout_s)
-    spawn = pooled is False  # asked for by name: a new interpreter ([Note: forked workers])
+    if spawn is None:
+        spawn = pooled is False  # asked for by name: a new interpreter
     return _run_fresh(fn, world_size, args, kwargs, timeout, pg_timeout_s, spawn)
 
 

@@ -43,6 +43,23 @@ class TiedFrozen(nn.Module):
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def import_deepspeed(rank: int, world_size: int) -> Any:
+    """DeepSpeed for a writer rank: the CPU accelerator, torchrun's rank variables, and no
+    shared-memory all-reduce op. DeepSpeed builds that op with a C++ compiler the first
+    time a process group starts in an environment (about 2 minutes on this machine, the
+    first writer's whole cost in a clean clone) and uses it only for
+    ``inference_all_reduce``; training, ZeRO's collectives, AutoTP's training all-reduce
+    and the checkpoints all go through torch.distributed, so the checkpoints and the steps
+    these writers record are the same without it."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
 def build_model() -> TiedFrozen:
     torch.manual_seed(0)
     return TiedFrozen()
@@ -98,9 +115,7 @@ def write_deepspeed(
     take ``NEXT_STEPS`` more steps; rank 0 returns the fp32 weights after each of them.
     ``default_clipping`` leaves ``gradient_clipping`` out of the config, as most users do
     (DeepSpeed then clips at 1.0). bf16 runs are :func:`write_deepspeed_bf16`."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
-    import deepspeed
+    deepspeed = import_deepspeed(rank, world_size)
     from deepspeed.utils import safe_get_full_fp32_param
 
     model = build_model()
@@ -160,9 +175,7 @@ def bf16_share(
 def write_deepspeed_bf16(rank: int, world_size: int, out: str, stage: int) -> dict:
     """Train ``TRAIN_STEPS`` bf16 steps, save, take ``NEXT_STEPS`` more; every rank returns
     its losses of the next steps, rank 0 also DeepSpeed's fp32 masters after each."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
-    import deepspeed
+    deepspeed = import_deepspeed(rank, world_size)
     from deepspeed.utils import safe_get_full_fp32_param
 
     size = BF16_MICRO * world_size
@@ -245,9 +258,10 @@ def generate(kind: str, out: Path, world_size: int, **kw) -> dict:
 
     kw = dict(kw)
     # DeepSpeed changes process-wide state (environment, accelerator, torch functions at
-    # stage 3): its writers get fresh processes, never pooled workers.
+    # stage 3): its writers get new processes, never pooled workers; forked ones, which
+    # skip an interpreter's start and torch's import ([Note: forked workers]).
     if kind == "deepspeed":
-        kw["pooled"] = False
+        kw.update(pooled=False, spawn=False)
     if kind == "deepspeed" and kw.pop("bf16", False):
         ranks = run_distributed(write_deepspeed_bf16, world_size, str(out), **kw, timeout=600)
         # The loss of a step is the mean over the ranks' micro-batches.

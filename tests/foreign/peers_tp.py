@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tests.foreign.peers import import_deepspeed
+
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.95), 1e-8, 0.1
 TRAIN_STEPS, NEXT_STEPS = 2, 2
 MICRO_BATCH, SEQ, VOCAB = 2, 8, 64
@@ -63,9 +65,7 @@ def write_deepspeed_tp(rank: int, world_size: int, out: str, stage: int, tp: int
     """Train ``TRAIN_STEPS`` fp32 AdamW steps at tensor-parallel degree ``tp`` (data-parallel
     ``world_size // tp``), save to ``out``, then take ``NEXT_STEPS`` more; rank 0 returns the
     gathered weights at the save (``saved``) and after each next step (``after``)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
-    import deepspeed
+    deepspeed = import_deepspeed(rank, world_size)
 
     dp = world_size // tp
     config = {
@@ -179,9 +179,10 @@ def generate_tp(kind: str, out: Path, world_size: int, **kw: Any) -> dict:
     if kind == "megatron":
         _torchrun_megatron(out, world_size)
         return {}
-    # DeepSpeed changes process-wide state (accelerator, environment): fresh processes.
+    # DeepSpeed changes process-wide state (accelerator, environment): new processes,
+    # forked ([Note: forked workers]).
     return run_distributed(
-        write_deepspeed_tp, world_size, str(out), **kw, pooled=False, timeout=600
+        write_deepspeed_tp, world_size, str(out), **kw, pooled=False, spawn=False, timeout=600
     )[0]
 
 
