@@ -128,7 +128,9 @@ def make(name: str, model: torch.nn.Module, ctx: Ctx, *, micro_batch: int,
 
 def make_deepspeed(model: torch.nn.Module, stage: int, ctx: Ctx, *, micro_batch: int,
                    bf16: bool = False, extra: dict | None = None) -> Trainer:
-    import deepspeed
+    from benchmarks.common import import_deepspeed
+
+    deepspeed = import_deepspeed()
 
     config = deepspeed_config(stage=stage, micro_batch=micro_batch, world=ctx.world,
                               bf16=bf16, extra=extra)

@@ -48,7 +48,9 @@ def _write(rank: int, world: int, port: int, kind: str, out: str, dim: int, laye
     model = build(dim, layers)
     x = torch.randn(2, dim)
     if kind == "ds":
-        import deepspeed
+        from benchmarks.common import import_deepspeed
+
+        deepspeed = import_deepspeed()
 
         cfg = {
             "train_micro_batch_size_per_gpu": 2,

@@ -66,9 +66,9 @@ def _run(task: str, params: dict) -> dict:
     backend = "nccl" if cuda else "gloo"
     timeout = datetime.timedelta(seconds=params.get("pg_timeout", 600))
     if task != "batch" and str(params.get("contender", "")).startswith("ds"):
-        import deepspeed
+        from benchmarks.common import import_deepspeed
 
-        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        import_deepspeed().init_distributed(dist_backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend, timeout=timeout,
                                 **({"device_id": device} if cuda else {}))
