@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dist_pool  # noqa: E402
-import forked_launch  # noqa: E402
 import helpers_dist  # noqa: E402
 from seaweed import S3Server, start_seaweedfs, stop_seaweedfs  # noqa: E402
 
@@ -73,7 +72,6 @@ def _pool_context(request):
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     dist_pool.shutdown()
-    forked_launch.stop_servers()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -109,7 +109,7 @@ def pooling_allowed() -> bool:
 # time reads of the environment, interpreter start-up and exit. Tests marked
 # ``fresh_processes`` and calls with ``pooled=False`` are spawned, as is everything
 # under ZEROSTATE_TEST_SPAWN=1.
-_servers: dict[int, forkserver.ForkServer] = {}
+_servers: dict[tuple[int, tuple[str, ...]], forkserver.ForkServer] = {}
 
 
 def _preload_names() -> list[str]:
@@ -129,12 +129,15 @@ TRANSFORMERS_PRELOAD = ["transformers", "transformers.models.llama.modeling_llam
                         "transformers.models.gpt2.modeling_gpt2"]
 
 
-def _server(index: int) -> forkserver.ForkServer:
-    server = _servers.get(index)
+def _server(index: int, preload: tuple[str, ...] = ()) -> forkserver.ForkServer:
+    """Fork server ``index`` of those that also imported ``preload`` (a framework, for
+    tests/forked_launch.py), started on first use."""
+    key = (index, preload)
+    server = _servers.get(key)
     if server is None:
         server = forkserver.ForkServer()
-        server.set_forkserver_preload(_preload_names())
-        _servers[index] = server
+        server.set_forkserver_preload(_preload_names() + list(preload))
+        _servers[key] = server
     return server
 
 
@@ -143,7 +146,7 @@ class _ServerPopen(popen_forkserver.Popen):
     server rather than the module-wide one."""
 
     def _launch(self, process_obj: Any) -> None:
-        server = _server(process_obj.fork_server)
+        server = _server(process_obj.fork_server, process_obj.preload)
         prep_data = spawn.get_preparation_data(process_obj._name)
         buf = io.BytesIO()
         mp_context.set_spawning_popen(self)
@@ -162,6 +165,7 @@ class _ServerPopen(popen_forkserver.Popen):
 
 class _ServerProcess(mp_context.ForkServerProcess):
     fork_server = 0
+    preload: tuple[str, ...] = ()
 
     @staticmethod
     def _Popen(process_obj: Any) -> _ServerPopen:
@@ -181,8 +185,16 @@ def new_process(ctx: Any, rank: int, target: Callable, args: tuple) -> Any:
     ``rank`` ([Note: forked workers]). Start it inside :func:`worker_environment`."""
     if ctx.get_start_method() == "spawn":
         return ctx.Process(target=target, args=args, daemon=True)
+    return forked_process(rank, target, args)
+
+
+def forked_process(
+    rank: int, target: Callable, args: tuple, preload: tuple[str, ...] = ()
+) -> Any:
+    """An unstarted daemon process forked from fork server ``rank`` of those that also
+    imported ``preload`` ([Note: forked workers]); :func:`stop_fork_servers` ends them all."""
     proc = _ServerProcess(target=target, args=args, daemon=True)
-    proc.fork_server = rank
+    proc.fork_server, proc.preload = rank, tuple(preload)
     return proc
 
 

@@ -8,8 +8,8 @@ imports (measured on this machine), Lightning's ranks 7.7 s each. :func:`launch`
 rank what ``torchrun`` gives it (the environment variables ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``; ``sys.argv``; the script run as ``__main__``; its
-exit status) in a process forked from fork server r (one per rank, started once per test
-process), which imported torch, zerostate and the ``preload`` modules. What it does not
+exit status) in a process forked from fork server r of tests/dist_pool.py's that also
+imported the ``preload`` modules (started once per test process). What it does not
 give: the elastic agent (restarts, rendezvous) and a new interpreter. Tests of those keep
 real ``torchrun`` (tests/faults/test_torchrun_restart.py, tests/e2e/), and every example
 launched here is also launched by real ``torchrun`` at least once in its own test file.
@@ -20,15 +20,11 @@ huggingface_hub at import: the test process sets it before the servers start).
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
 import time
-from multiprocessing import context as mp_context
-from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from pathlib import Path
-from typing import Any
 
 import dist_pool
 from helpers_dist import free_port
@@ -36,48 +32,6 @@ from helpers_dist import free_port
 #: What the tests preload for each framework (one set each, so that files share servers).
 LIGHTNING = ("lightning.pytorch", "zerostate.integrations.lightning")
 HF_TRAINER = ("transformers.trainer", "zerostate.integrations.hf")
-
-_servers: dict[tuple[int, tuple[str, ...]], forkserver.ForkServer] = {}
-
-
-def _server(rank: int, preload: tuple[str, ...]) -> forkserver.ForkServer:
-    key = (rank, preload)
-    server = _servers.get(key)
-    if server is None:
-        server = forkserver.ForkServer()
-        server.set_forkserver_preload(dist_pool._preload_names() + list(preload))
-        _servers[key] = server
-    return server
-
-
-class _Popen(popen_forkserver.Popen):
-    """``popen_forkserver.Popen._launch`` asking this module's server for the rank."""
-
-    def _launch(self, process_obj: Any) -> None:
-        server = _server(process_obj.rank, process_obj.preload)
-        prep_data = spawn.get_preparation_data(process_obj._name)
-        buf = io.BytesIO()
-        mp_context.set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, buf)
-            reduction.dump(process_obj, buf)
-        finally:
-            mp_context.set_spawning_popen(None)
-        self.sentinel, w = server.connect_to_new_process(self._fds)
-        parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
-
-
-class _Rank(mp_context.ForkServerProcess):
-    rank = 0
-    preload: tuple[str, ...] = ()
-
-    @staticmethod
-    def _Popen(process_obj: Any) -> _Popen:
-        return _Popen(process_obj)
 
 
 def _rank_main(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
@@ -136,9 +90,9 @@ def launch(
                         TORCHELASTIC_RUN_ID=run_id)  # fmt: skip
         out, err = workdir / f".rank{rank}.out", workdir / f".rank{rank}.err"
         files.append((out, err))
-        proc = _Rank(target=_rank_main, args=(str(script), list(args), rank_env, str(out),
-                                              str(err)), daemon=True)  # fmt: skip
-        proc.rank, proc.preload = rank, tuple(preload)
+        proc = dist_pool.forked_process(
+            rank, _rank_main, (str(script), list(args), rank_env, str(out), str(err)), preload
+        )
         proc.start()
         procs.append(proc)
     deadline = time.monotonic() + timeout
@@ -164,24 +118,27 @@ def launch(
     return subprocess.CompletedProcess([str(script), *args], rc, stdout, stderr)
 
 
-def stop_servers() -> None:
-    """End this module's fork servers (closing their "alive" pipes, then waiting)."""
-    while _servers:
-        server = _servers.popitem()[1]
-        pid, alive = server._forkserver_pid, server._forkserver_alive_fd
-        if pid is None:
-            continue
-        try:
-            os.close(alive)
-        except OSError:
-            pass
-        end = time.monotonic() + 10.0
-        try:
-            while os.waitpid(pid, os.WNOHANG)[0] == 0:
-                if time.monotonic() > end:
-                    os.kill(pid, 9)
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.05)
-        except (ChildProcessError, ProcessLookupError):
-            pass
+def run_example(
+    script: Path,
+    nproc: int,
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    workdir: Path,
+    preload: tuple[str, ...],
+    torchrun: bool = False,
+    timeout: float = 400,
+) -> subprocess.CompletedProcess:
+    """``script`` on ``nproc`` ranks, under real ``torchrun`` when asked, else with forked
+    ranks (:func:`launch`); fails the test with the output's tail unless every rank ends
+    with status 0."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", str(script), *argv]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    else:
+        proc = launch(script, nproc, argv, env=env, timeout=timeout, workdir=workdir,
+                      preload=preload)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return proc

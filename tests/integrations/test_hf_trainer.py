@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import forked_launch
 import pytest
 import torch
-from helpers_dist import free_port
 
 from zerostate.store import open_checkpoint
 
@@ -31,16 +28,9 @@ def _run(work: Path, nproc: int, *args: str, torchrun: bool = False) -> list[tup
     """The example on ``nproc`` ranks: under real ``torchrun`` when asked, else with ranks
     forked from servers that imported transformers once ([Note: forked launches])."""
     log = work / "log.jsonl"
-    work.mkdir(parents=True, exist_ok=True)
     argv = ["--workdir", str(work), "--log-json", str(log), *args]
-    if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               f"--master_port={free_port()}", str(EXAMPLE), *argv]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
-    else:
-        proc = forked_launch.launch(EXAMPLE, nproc, argv, env=ENV, timeout=400, workdir=work,
-                                    preload=PRELOAD)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    forked_launch.run_example(EXAMPLE, nproc, argv, env=ENV, workdir=work, preload=PRELOAD,
+                              torchrun=torchrun)  # fmt: skip
     return [(r["step"], r["loss"]) for r in map(json.loads, log.read_text().splitlines())]
 
 

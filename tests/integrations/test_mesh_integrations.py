@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import forked_launch
 import pytest
-from helpers_dist import free_port
 
 pytest.importorskip("transformers")
 
@@ -27,14 +24,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE
 def _run(which: str, out: Path) -> dict:
     """The HF run under real torchrun; the Lightning run with ranks forked from servers that
     imported Lightning once ([Note: forked launches] in tests/forked_launch.py)."""
-    if which == "hf":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
-               f"--master_port={free_port()}", str(WORKER), which, str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    else:
-        proc = forked_launch.launch(WORKER, 4, [which, str(out)], env=ENV, timeout=600,
-                                    workdir=out, preload=forked_launch.LIGHTNING)  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    forked_launch.run_example(WORKER, 4, [which, str(out)], env=ENV, workdir=out,
+                              preload=forked_launch.LIGHTNING, torchrun=which == "hf",
+                              timeout=600)  # fmt: skip
     return json.loads((out / "result.json").read_text())
 
 
