@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--nproc, --load-nproc, --steps and --rounds must be >= 1")
     if args.quick:
         args.rounds = 1  # the smoke run checks that contenders work, not their speed
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)  # a scratch directory to measure
     return args
 
 
