@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +17,9 @@ sys.path.insert(0, str(HERE))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from helpers_dist import free_port as draw  # [Note: free ports]
+
+    return draw()
 
 
 def torchrun(nproc: int, jobs: list[dict], out: Path, *, timeout: float = 300,

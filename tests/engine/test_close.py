@@ -79,6 +79,9 @@ engine.save({path!r}, blocking=False)
 del engine
 gc.collect()
 print("still running", flush=True)
+# Gloo's threads may abort a process that exits with its group alive ("terminate called
+# without an active exception", seen on a loaded machine): not what this test is about.
+dist.destroy_process_group()
 """
 
 

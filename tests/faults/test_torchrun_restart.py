@@ -5,7 +5,6 @@ run ends with the parameters of an uninterrupted run."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,9 @@ STEPS, SAVE_EVERY, KILL_AT = 12, 4, 6
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from helpers_dist import free_port  # [Note: free ports]
+
+    return free_port()
 
 
 def _run(ckpt: Path, kill_at: int) -> subprocess.CompletedProcess:

@@ -3,7 +3,6 @@ plain zarr; a rank that dies mid-save leaves earlier steps intact."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -29,9 +28,9 @@ WORKER = Path(__file__).with_name("_store_worker.py")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from helpers_dist import free_port  # [Note: free ports]
+
+    return free_port()
 
 
 def _spawn(mode: str, root: Path, rank: int, world_size: int, port: int) -> subprocess.Popen:
