@@ -3,8 +3,12 @@
 A multi-rank test used to pay for its processes: spawn, import torch (often transformers
 or DeepSpeed too), build a gloo group, then run a second of work. A pool starts its
 workers once; each later call ships ``(fn, args, kwargs)`` to every rank and costs only
-its work. :func:`helpers_dist.run_distributed` uses it unless a test asks for fresh
-processes (the ``fresh_processes`` marker, or ``pooled=False``).
+its work. :func:`helpers_dist.run_distributed` uses it for the files listed in
+``tests/conftest.py``'s ``POOLED_FILES`` unless a test asks for fresh processes (the
+``fresh_processes`` marker, or ``pooled=False``). Since workers are forked from fork
+servers that imported everything once ([Note: forked workers]), a new forked process per
+call is cheaper than a pooled call with its isolation checks, so the suite forks and only
+the pool's own tests use the pool.
 
 [Note: pool isolation]: a pooled worker must be indistinguishable from a fresh one at
 the start of every call. Settings a test may change on purpose (RNG states, thread count,
