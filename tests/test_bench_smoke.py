@@ -128,6 +128,27 @@ def test_report_files(quick_run):
         assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@uses_quick_run
+def test_mesh_benchmark_runs_on_cpu(quick_run):
+    """benchmarks/mesh.py (the mesh section of benchmarks/gpu.sh; the quick run's mesh row
+    launches it as ``torchrun -m benchmarks.mesh``): 4 gloo ranks at (dp_shard 2 x tp 2), a
+    tiny Llama, every contender. They train the same model on the same data in fp32, so
+    their losses agree. (It ran its own torchrun job of the same command until it was
+    folded into the quick run, which made the same job a second time.)"""
+    _, report, _ = quick_run
+    mesh = next(s for s in report["sections"] if s["key"] == "mesh")
+    assert "(dp_shard 2 x tp 2) on 4 ranks" in mesh["title"], mesh["title"]
+    assert "4 gloo ranks" in mesh["setup"] and "fp32" in mesh["setup"], mesh["setup"]
+    rows = {r["name"]: r for r in mesh["rows"]}
+    assert set(rows) == {"fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa",
+                         "zerostate_stage3"}
+    for name, row in rows.items():
+        assert row["ok"], (name, row["error"])
+        assert row["values"]["step_ms"] > 0 and "peak_device_mb" not in row["values"], row
+    losses = [row["values"]["last_loss"] for row in rows.values()]
+    assert max(losses) - min(losses) <= 1e-4 * abs(losses[0]), losses
+
+
 def _report(value: float, ok: bool = True) -> dict:
     row = {"contender": "c", "ok": ok, "error": None if ok else "boom", "values": {"s": value}}
     return {"sections": [{"key": "save", "rows": [row],
