@@ -31,9 +31,12 @@ if [ -z "${ZEROSTATE_NO_INSTALL:-}" ] && { [ ! -f "$stamp" ] || [ "$ROOT/pyproje
         && "$VENV/bin/python" -m pip install -q --disable-pip-version-check uv 2>/dev/null; then
         read -r -a uv_flags <<< "$("$VENV/bin/python" "$ROOT/scripts/pip_to_uv.py")"
         # The cache lives in the environment (a fresh clone starts without one) and on the
-        # same disk, so uv hard-links from it instead of copying.
+        # same disk, so uv hard-links from it instead of copying. --compile-bytecode, as pip
+        # does: the test workers' fork servers run with -B (no .pyc written), and without
+        # compiled files every one of them compiles torch's and transformers' sources again.
         if UV_CACHE_DIR="$VENV/.uv-cache" "$VENV/bin/python" -m uv pip install -q \
-            --python "$VENV/bin/python" "${uv_flags[@]}" "$torch_req" -e "$target"; then
+            --compile-bytecode --python "$VENV/bin/python" "${uv_flags[@]}" "$torch_req" \
+            -e "$target"; then
             installed=uv
         else
             echo "zerostate: uv could not install the environment; using pip" >&2
