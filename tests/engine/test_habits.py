@@ -203,9 +203,9 @@ def _rank0_only_save(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
-# Fresh processes: one rank gives up on a collective that the other never enters, and the
-# ranks signal each other through a key in the default group's store.
-@pytest.mark.fresh_processes
+# New (forked) processes, never pooled workers: one rank gives up on a collective that the
+# other never enters, and the ranks signal each other through a key in the default group's
+# store.
 def test_rank0_only_save_fails_within_the_bound(tmp_path) -> None:
     first, second = run_distributed(_rank0_only_save, 2, str(tmp_path / "ckpt"), timeout=180)
     assert "rank(s) 1 of 2 did not enter it" in first["error"], first
@@ -308,8 +308,9 @@ def _last_call_then_exit(rank: int, world_size: int) -> str:
     return f"{len(state)} tensors"
 
 
-# Fresh processes: what it checks is each worker exiting right after its last call.
-@pytest.mark.fresh_processes
+# New (forked) processes, never pooled workers: what it checks is each worker exiting right
+# after its last call, which a forked worker does as a spawned one would (the store's host
+# goes away with its process either way).
 def test_store_host_does_not_leave_before_the_others_read_the_verdict() -> None:
     for _ in range(3):
         results = run_distributed(_last_call_then_exit, 2, timeout=120)
