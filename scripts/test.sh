@@ -7,9 +7,9 @@ source "$ROOT/scripts/env.sh" 2> >(grep -v "is ignored: it is neither" >&2)
 cd "$ROOT"
 set +e
 # Two pytest-xdist workers (ZEROSTATE_TEST_WORKERS; 0 runs in this process): a test file runs
-# on one worker ([Note: test groups] in tests/conftest.py).
+# on one worker, files handed out in the order tests/conftest.py sets ([Note: test groups]).
 python -m pytest -p no:cacheprovider --durations=30 \
-    -n "${ZEROSTATE_TEST_WORKERS:-2}" --dist loadfile "$@"
+    -n "${ZEROSTATE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

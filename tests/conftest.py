@@ -70,14 +70,20 @@ def pytest_collection_modifyitems(config, items) -> None:
     [Note: test groups]: scripts/test.sh runs the suite on two pytest-xdist workers with
     ``--dist loadfile``: a test file runs on one worker, in order, so its module- and
     class-scoped fixtures are built once. Session fixtures (the S3 server, the peers'
-    checkpoints) are built once per worker that needs them. Files whose tests use the
-    peers' checkpoints are collected first, so that their long setup does not start last."""
+    checkpoints) are built once per worker that needs them. Files are handed out in the
+    order set here (scripts/test.sh passes ``--no-loadscope-reorder``; xdist's own order,
+    most tests first, put the files of one or two long tests, the end-to-end jobs and the
+    benchmark smoke run, last, where one worker ran them while the other sat idle): files
+    whose tests use the peers' checkpoints first, so that their long setup does not start
+    last, then files with slow tests, then the rest, whose many short tests fill the end."""
     e2e = Path(__file__).resolve().parent / "e2e"
     for item in items:
         if item.get_closest_marker("s3") or e2e in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.slow)
     peer_files = {_file(i) for i in items if "peer_checkpoints" in getattr(i, "fixturenames", ())}
-    items.sort(key=lambda item: _file(item) not in peer_files)  # stable
+    slow_files = {_file(i) for i in items if i.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (_file(item) not in peer_files,
+                                 _file(item) not in slow_files))  # stable
 
 
 def _file(item) -> str:
