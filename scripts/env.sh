@@ -32,8 +32,9 @@ if [ -z "${ZEROSTATE_NO_INSTALL:-}" ] && { [ ! -f "$stamp" ] || [ "$ROOT/pyproje
         read -r -a uv_flags <<< "$("$VENV/bin/python" "$ROOT/scripts/pip_to_uv.py")"
         # The cache lives in the environment (a fresh clone starts without one) and on the
         # same disk, so uv hard-links from it instead of copying. --compile-bytecode, as pip
-        # does: the test workers' fork servers run with -B (no .pyc written), and without
-        # compiled files every one of them compiles torch's and transformers' sources again.
+        # does: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), Python writes no
+        # .pyc files, and without compiled files every interpreter (each fork server, each
+        # spawned rank) compiles torch's and transformers' sources again.
         if UV_CACHE_DIR="$VENV/.uv-cache" "$VENV/bin/python" -m uv pip install -q \
             --compile-bytecode --python "$VENV/bin/python" "${uv_flags[@]}" "$torch_req" \
             -e "$target"; then
