@@ -23,8 +23,8 @@ def main() -> None:
         if option not in FLAGS or not value:
             continue
         # Environment settings (":env:.") come before files in pip's precedence; a value
-        # may list several entries separated by whitespace.
-        for item in shlex.split(value)[0].split() if value else []:
+        # (quoted by pip) may list several entries separated by whitespace.
+        for item in " ".join(shlex.split(value)).split():
             if item not in seen.setdefault(option, []):
                 seen[option].append(item)
     flags = []

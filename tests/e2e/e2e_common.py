@@ -10,16 +10,11 @@ import sys
 from pathlib import Path
 
 import torch
+from helpers_dist import free_port  # noqa: F401 - [Note: free ports]; e2e tests import it here
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "ckpt_worker.py"
 sys.path.insert(0, str(HERE))
-
-
-def free_port() -> int:
-    from helpers_dist import free_port as draw  # [Note: free ports]
-
-    return draw()
 
 
 def torchrun(nproc: int, jobs: list[dict], out: Path, *, timeout: float = 300,

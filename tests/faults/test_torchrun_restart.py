@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_dist import free_port  # [Note: free ports]
 
 from zerostate.store import open_checkpoint
 
@@ -17,16 +18,10 @@ WORKER = Path(__file__).resolve().parent / "_restart_worker.py"
 STEPS, SAVE_EVERY, KILL_AT = 12, 4, 6
 
 
-def _free_port() -> int:
-    from helpers_dist import free_port  # [Note: free ports]
-
-    return free_port()
-
-
 def _run(ckpt: Path, kill_at: int) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        "--max-restarts=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         str(WORKER), "--ckpt", str(ckpt), "--steps", str(STEPS),
         "--save-every", str(SAVE_EVERY), "--resume", "--stage", "2",
         "--n-layer", "1", "--n-embd", "32", "--seq-len", "32", "--global-batch", "4",

@@ -19,18 +19,13 @@ from _store_helpers import (
     owned_shards,
     raw_bytes,
 )
+from helpers_dist import free_port  # [Note: free ports]
 
 from zerostate.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
 from zerostate.partition import plan_layouts
 from zerostate.store import StepWriter, open_checkpoint, remove_partial_steps
 
 WORKER = Path(__file__).with_name("_store_worker.py")
-
-
-def _free_port() -> int:
-    from helpers_dist import free_port  # [Note: free ports]
-
-    return free_port()
 
 
 def _spawn(mode: str, root: Path, rank: int, world_size: int, port: int) -> subprocess.Popen:
@@ -44,7 +39,7 @@ def _spawn(mode: str, root: Path, rank: int, world_size: int, port: int) -> subp
 
 
 def _run_ranks(mode: str, root: Path, world_size: int) -> list[tuple[int, str]]:
-    port = _free_port()
+    port = free_port()
     procs = [_spawn(mode, root, r, world_size, port) for r in range(world_size)]
     results = []
     for proc in procs:
