@@ -26,4 +26,3 @@ def test_files_with_slow_tests_come_before_the_rest(request):
     slow = {f for f, i in zip(files, items, strict=True) if i.get_closest_marker("slow")}
     rank = [0 if f in peer else 1 if f in slow else 2 for f in files]
     assert rank == sorted(rank), "a file with slow tests was collected after one without"
-    assert len(set(rank)) == 3 or len(items) < 100
