@@ -3,7 +3,8 @@ torch.distributed.checkpoint, every row in one run; writes docs/benchmarks/lates
 latest.json and PNG plots.
 
     python -m benchmarks                  # everything (about 10 minutes on 2 CPU cores)
-    python -m benchmarks --quick          # tiny sizes (the smoke test)
+    python -m benchmarks --quick          # tiny sizes (the smoke test; ranks forked from
+                                          # one process, --launcher torchrun for torchrun)
     python -m benchmarks --only save      # one row: step, save, load, s3, mesh, layout
                                           # (save includes async save, load, consolidate)
 
@@ -25,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import report as rep
-from benchmarks.common import REPO, version_of
+from benchmarks.common import REPO, set_launcher, version_of
 
 ROWS = ("step", "save", "s3", "mesh", "layout")
 ALIASES = {"async": "save", "load": "save", "consolidate": "save"}
@@ -54,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "best round (default 2)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    p.add_argument("--launcher", choices=("torchrun", "fork"), default=None,
+                   help="how a job starts its ranks: torchrun (the default, every measured "
+                        "run) or fork, from one process that imported the libraries once "
+                        "(the default of --quick: a smoke run, not a measurement)")
     p.add_argument("--update-readme", action="store_true",
                    help="also rewrite the benchmark table in README.md")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every job's output")
@@ -74,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--nproc, --load-nproc, --steps and --rounds must be >= 1")
     if args.quick:
         args.rounds = 1  # the smoke run checks that contenders work, not their speed
+    if args.launcher is None:
+        args.launcher = "fork" if args.quick else "torchrun"
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)  # a scratch directory to measure
     return args
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    set_launcher(args.launcher)
     t0 = time.perf_counter()
     sections, failed = [], []
     for row in args.rows:
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{platform.system()}",
                         "python": platform.python_version(), "torch": version_of("torch"),
                         "deepspeed": version_of("deepspeed"), "nproc": args.nproc,
-                        "quick": args.quick},
+                        "quick": args.quick, "launcher": args.launcher},
         "sections": sections,
         "failed_sections": failed,
     }

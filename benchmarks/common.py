@@ -108,16 +108,46 @@ def _communicate(cmd: list[str], env: dict, timeout: float) -> tuple[int | None,
         raise
 
 
+#: How jobs start their ranks: ``torchrun`` (every measured run) or ``fork`` (``--quick``'s
+#: default, [Note: forked ranks] in benchmarks/forked.py). Set by :func:`set_launcher`.
+_launcher = {"kind": "torchrun"}
+LAUNCHERS = ("torchrun", "fork")
+
+
+def set_launcher(kind: str) -> None:
+    if kind not in LAUNCHERS:
+        raise ValueError(f"launcher {kind!r}: choose from {', '.join(LAUNCHERS)}")
+    _launcher["kind"] = kind
+
+
+def launcher() -> str:
+    return _launcher["kind"]
+
+
+def run_ranks(module: str, argv: list[str], *, nproc: int, env: dict[str, str],
+              timeout: float) -> tuple[int | None, str]:
+    """``torchrun --standalone --nproc_per_node=nproc -m module *argv``, or the same with
+    forked ranks under ``set_launcher("fork")``: the exit status (None: timed out) and the
+    output of every rank."""
+    if _launcher["kind"] == "fork":
+        from benchmarks.forked import run_forked
+
+        return run_forked(module, argv, nproc=nproc, env=env, timeout=timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", module, *argv]
+    return _communicate(cmd, env, timeout)
+
+
 def torchrun(name: str, task: str, params: dict, *, nproc: int, timeout: float = 600.0,
              verbose: bool = False, env: dict[str, str] | None = None) -> Job:
-    """Run ``benchmarks.worker`` task ``task`` on ``nproc`` ranks; every rank returns a dict."""
+    """Run ``benchmarks.worker`` task ``task`` on ``nproc`` ranks (a torchrun job, or forked
+    ranks: :func:`set_launcher`); every rank returns a dict."""
     result_dir = Path(tempfile.mkdtemp(prefix=f"zs-bench-{name}-"))
     try:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "benchmarks.worker", task,
-               json.dumps(params), str(result_dir)]
         t0 = time.perf_counter()
-        rc, out = _communicate(cmd, _env(params.get("threads", 1), env), timeout)
+        rc, out = run_ranks("benchmarks.worker", [task, json.dumps(params), str(result_dir)],
+                            nproc=nproc, env=_env(params.get("threads", 1), env),
+                            timeout=timeout)
         wall = time.perf_counter() - t0
         if verbose:
             print(out, file=sys.stderr)

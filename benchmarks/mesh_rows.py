@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import MIB, _communicate, _env, cuda_available
+from benchmarks.common import MIB, _env, cuda_available, run_ranks
 
 NPROC, TP = 4, 2
 # zerostate contender -> (the FSDP2 + TP contender it is compared with, target of the ratio)
@@ -39,24 +39,13 @@ LABELS = {
 def _job(
     contenders: list[str], common: list[str], timeout: float, verbose: bool
 ) -> dict[str, dict]:
-    """One torchrun job of ``benchmarks.mesh`` with ``contenders``; their rows, or errors."""
+    """One job (torchrun, or forked ranks under ``--quick``) of ``benchmarks.mesh`` with
+    ``contenders``; their rows, or errors."""
     with tempfile.TemporaryDirectory(prefix="zs-bench-mesh-") as tmp:
         out = Path(tmp) / "mesh.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={NPROC}",
-            "-m",
-            "benchmarks.mesh",
-            *common,
-            "--contenders",
-            ",".join(contenders),
-            "--out",
-            str(out),
-        ]
-        rc, output = _communicate(cmd, _env(1), timeout)
+        argv = [*common, "--contenders", ",".join(contenders), "--out", str(out)]
+        rc, output = run_ranks("benchmarks.mesh", argv, nproc=NPROC, env=_env(1),
+                               timeout=timeout)
         if verbose:
             print(output, file=sys.stderr)
         rows = json.loads(out.read_text())["rows"] if out.exists() else {}
@@ -143,7 +132,7 @@ def run(opts: Any) -> dict:
         "model-state bytes (local shards of parameters, gradients, masters and optimizer "
         "states) of the fullest rank; "
         + (
-            "all contenders in one torchrun job (--quick), so peak RSS accumulates"
+            "all contenders in one job (--quick), so peak RSS accumulates"
             if opts.quick
             else f"one torchrun job per contender, best of {rounds} round(s) in alternating order"
         )

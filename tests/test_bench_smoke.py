@@ -131,10 +131,11 @@ def test_report_files(quick_run):
 @uses_quick_run
 def test_mesh_benchmark_runs_on_cpu(quick_run):
     """benchmarks/mesh.py (the mesh section of benchmarks/gpu.sh; the quick run's mesh row
-    launches it as ``torchrun -m benchmarks.mesh``): 4 gloo ranks at (dp_shard 2 x tp 2), a
-    tiny Llama, every contender. They train the same model on the same data in fp32, so
-    their losses agree. (It ran its own torchrun job of the same command until it was
-    folded into the quick run, which made the same job a second time.)"""
+    launches it on 4 forked ranks, as ``torchrun -m benchmarks.mesh`` would): 4 gloo ranks
+    at (dp_shard 2 x tp 2), a tiny Llama, every contender. They train the same model on the
+    same data in fp32, so their losses agree. (It ran its own torchrun job of the same
+    command until it was folded into the quick run, which made the same job a second
+    time.)"""
     _, report, _ = quick_run
     mesh = next(s for s in report["sections"] if s["key"] == "mesh")
     assert "(dp_shard 2 x tp 2) on 4 ranks" in mesh["title"], mesh["title"]
@@ -147,6 +148,26 @@ def test_mesh_benchmark_runs_on_cpu(quick_run):
         assert row["values"]["step_ms"] > 0 and "peak_device_mb" not in row["values"], row
     losses = [row["values"]["last_loss"] for row in rows.values()]
     assert max(losses) - min(losses) <= 1e-4 * abs(losses[0]), losses
+
+
+@uses_quick_run
+def test_a_row_under_torchrun(tmp_path, quick_run):
+    """The quick run forks its ranks from one process ([Note: forked ranks] in
+    benchmarks/forked.py); every measured run starts them with torchrun. One row of the
+    quick run under ``--launcher torchrun`` keeps that path tested."""
+    assert quick_run[1]["environment"]["launcher"] == "fork"
+    cmd = [sys.executable, "-m", "benchmarks", "--quick", "--only", "step", "--contenders",
+           "ddp,zs1", "--launcher", "torchrun", "--out", str(tmp_path), "--dir",
+           str(tmp_path / "scratch"), "--timeout", "400"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert report["environment"]["launcher"] == "torchrun"
+    rows = report["sections"][0]["rows"]
+    assert [r["ok"] for r in rows] == [True, True], rows
+    firsts = [r["values"]["loss_first"] for r in rows]
+    assert abs(firsts[0] - firsts[1]) < 1e-4 and all(
+        r["values"]["loss_last"] < r["values"]["loss_first"] for r in rows), rows
 
 
 def _report(value: float, ok: bool = True) -> dict:
