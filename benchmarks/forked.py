@@ -47,6 +47,7 @@ PRELOAD = (
     "transformers.models.llama.modeling_llama",
     "zerostate",
     "zerostate.engine",
+    "deepspeed",
 )
 GRACE_S = 5.0  # how long the other ranks of a failed job get to report before they end
 
@@ -135,9 +136,10 @@ def _run_job(req: dict) -> list[int | None]:
     return [codes[p] for p in pids]
 
 
-def serve() -> None:
-    """The zygote: preload, say ``ready`` (or why not), then one job per line of stdin.
-    Answers go to the original stdout; what the imports print goes to stderr."""
+def serve(preload: list[str]) -> None:
+    """The zygote: import ``preload`` (``deepspeed``: the contenders' way, without its
+    compiled op), say ``ready`` (or why not), then run one job per line of stdin. Answers
+    go to the original stdout; what the imports print goes to stderr."""
     global _channel
     _channel = os.dup(1)
     os.dup2(2, 1)
@@ -148,11 +150,13 @@ def serve() -> None:
             out.flush()
 
         try:
-            for name in PRELOAD:
-                __import__(name)
-            from benchmarks.common import import_deepspeed
+            for name in preload:
+                if name == "deepspeed":
+                    from benchmarks.common import import_deepspeed
 
-            import_deepspeed()
+                    import_deepspeed()
+                else:
+                    __import__(name)
         except Exception as exc:  # noqa: BLE001 - reported to the launcher, which says it
             answer({"error": f"preloading: {type(exc).__name__}: {exc}"})
             return
@@ -168,12 +172,14 @@ def serve() -> None:
 class Zygote:
     """The launcher's handle on the zygote, started on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] = PRELOAD) -> None:
+        self.preload = preload
         self.proc: subprocess.Popen | None = None
 
     def _start(self, env: dict[str, str], deadline: float) -> tuple[int | None, str] | None:
         """Start the zygote; None once it is ready, else the job's (status, output)."""
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.forked"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.forked",
+                                      *self.preload], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True,
                                      start_new_session=True)
@@ -243,4 +249,4 @@ def run_forked(module: str, argv: list[str], *, nproc: int, env: dict[str, str],
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:])

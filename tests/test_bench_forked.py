@@ -49,7 +49,7 @@ def zygote(tmp_path_factory):
     mods = tmp_path_factory.mktemp("forked-mods")
     (mods / "zs_forked_probe.py").write_text(RANK_MODULE)
     env = _env(1, {"PYTHONPATH": os.pathsep.join([str(mods), str(REPO)])})
-    z = Zygote()
+    z = Zygote(preload=("torch", "torch.distributed"))  # what the probe imports
     yield z, env
     z.stop()
 
@@ -93,3 +93,11 @@ def test_a_job_over_its_time_ends_every_rank_and_the_next_job_runs(zygote, tmp_p
     assert z.proc is None  # the zygote and its ranks were ended
     rc, out = z.run("zs_forked_probe", ["ok", str(tmp_path)], nproc=2, env=env, timeout=120)
     assert rc == 0, out
+
+
+def test_a_zygote_that_cannot_preload_fails_the_job_saying_why(tmp_path):
+    z = Zygote(preload=("zs_no_such_module",))
+    rc, out = z.run("zs_forked_probe", ["ok", str(tmp_path)], nproc=2, env=_env(1),
+                    timeout=60)
+    assert rc == 1 and z.proc is None
+    assert "ModuleNotFoundError" in out and "zs_no_such_module" in out, out
