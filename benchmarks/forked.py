@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 #: Imported by the zygote before any fork: what the contenders' ranks import.
@@ -87,20 +88,28 @@ def _rank(module: str, argv: list[str], env: dict[str, str], log: str) -> None:
         os.environ.update(env)
         random.seed()  # a new process seeds ``random`` from the OS; a fork inherits it
         sys.argv = [module, *argv]
-        try:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
+        code = exit_status(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
     finally:
         os._exit(code)
+
+
+def exit_status(main: Callable[[], object]) -> int:
+    """Run ``main`` the way the interpreter runs ``__main__``, and return the exit status it
+    would end with: ``SystemExit``'s code, or 1 after an uncaught exception, whose traceback
+    is printed. Output is flushed (the caller ends with ``os._exit``)."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
 
 
 def _run_job(req: dict) -> list[int | None]:

@@ -29,6 +29,8 @@ from pathlib import Path
 import dist_pool
 from helpers_dist import free_port
 
+from benchmarks.forked import exit_status
+
 #: What the tests preload for each framework (one set each, so that files share servers).
 LIGHTNING = ("lightning.pytorch", "zerostate.integrations.lightning")
 HF_TRAINER = ("transformers.trainer", "zerostate.integrations.hf")
@@ -51,19 +53,7 @@ def _rank_main(script: str, argv: list[str], env: dict[str, str], out: str, err:
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     sys.argv = [script, *argv]
     sys.path.insert(0, str(Path(script).parent))
-    code = 0
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - printed as an uncaught exception would be
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    os._exit(exit_status(lambda: runpy.run_path(script, run_name="__main__")))
 
 
 def launch(
