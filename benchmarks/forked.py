@@ -42,7 +42,6 @@ PRELOAD = (
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
-    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
     "transformers",
     "transformers.models.gpt2.modeling_gpt2",
     "transformers.models.llama.modeling_llama",
