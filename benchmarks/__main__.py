@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks import report as rep
-from benchmarks.common import REPO, set_launcher, version_of
+from benchmarks.common import LAUNCHERS, REPO, set_launcher, version_of
 
 ROWS = ("step", "save", "s3", "mesh", "layout")
 ALIASES = {"async": "save", "load": "save", "consolidate": "save"}
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "best round (default 2)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
-    p.add_argument("--launcher", choices=("torchrun", "fork"), default=None,
+    p.add_argument("--launcher", choices=LAUNCHERS, default=None,
                    help="how a job starts its ranks: torchrun (the default, every measured "
                         "run) or fork, from one process that imported the libraries once "
                         "(the default of --quick: a smoke run, not a measurement)")

@@ -120,10 +120,6 @@ def set_launcher(kind: str) -> None:
     _launcher["kind"] = kind
 
 
-def launcher() -> str:
-    return _launcher["kind"]
-
-
 def run_ranks(module: str, argv: list[str], *, nproc: int, env: dict[str, str],
               timeout: float) -> tuple[int | None, str]:
     """``torchrun --standalone --nproc_per_node=nproc -m module *argv``, or the same with

@@ -111,16 +111,22 @@ def exit_status(main: Callable[[], object]) -> int:
     return code
 
 
+def torchrun_env(env: dict[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
+    """``env`` plus what ``torchrun --nproc_per_node=nproc`` on one node gives rank
+    ``rank``; rank 0 hosts the store on 127.0.0.1:``port``."""
+    return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
+                ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"forked-{os.getpid()}-{port}")
+
+
 def _run_job(req: dict) -> list[int | None]:
     """Fork ``req['nproc']`` ranks of ``req['module']``; their exit codes (negative: a
     signal), once every rank has ended."""
     nproc, port = req["nproc"], _free_port()
     pids = []
     for rank in range(nproc):
-        env = dict(req["env"], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
-                   ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"forked-{os.getpid()}-{port}")
+        env = torchrun_env(req["env"], rank, nproc, port)
         pid = os.fork()
         if pid == 0:
             _rank(req["module"], req["argv"], env, req["log"])

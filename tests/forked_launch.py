@@ -29,7 +29,7 @@ from pathlib import Path
 import dist_pool
 from helpers_dist import free_port
 
-from benchmarks.forked import exit_status
+from benchmarks.forked import exit_status, torchrun_env
 
 #: What the tests preload for each framework (one set each, so that files share servers).
 LIGHTNING = ("lightning.pytorch", "zerostate.integrations.lightning")
@@ -70,14 +70,9 @@ def launch(
     launches]); the outputs of all ranks, rank order, in the result. A rank that fails
     or overruns ``timeout`` ends the others, as torchrun does."""
     port = free_port()
-    run_id = f"forked-{os.getpid()}-{port}"
     procs, files = [], []
     for rank in range(nproc):
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
-                        ROLE_WORLD_SIZE=str(nproc), GROUP_WORLD_SIZE="1",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                        TORCHELASTIC_RUN_ID=run_id)  # fmt: skip
+        rank_env = torchrun_env(env, rank, nproc, port)
         out, err = workdir / f".rank{rank}.out", workdir / f".rank{rank}.err"
         files.append((out, err))
         proc = dist_pool.forked_process(

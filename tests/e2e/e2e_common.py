@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
-from helpers_dist import free_port  # noqa: F401 - [Note: free ports]; e2e tests import it here
+from helpers_dist import free_port  # [Note: free ports]
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "ckpt_worker.py"

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from e2e_common import free_port
+from helpers_dist import free_port
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]

@@ -79,6 +79,6 @@ def test_loading_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def _port():
-    from e2e_common import free_port
+    from helpers_dist import free_port
 
     return free_port()

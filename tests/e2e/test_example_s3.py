@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from e2e_common import free_port
+from helpers_dist import free_port
 
 from zerostate.store import open_checkpoint
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_common import free_port
+from helpers_dist import free_port
 
 transformers = pytest.importorskip("transformers")
 
