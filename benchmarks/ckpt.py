@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import drop_caches_in_job
 from benchmarks.contenders import (
     Ctx,
     Trainer,
@@ -179,6 +180,7 @@ def load(params: dict, ctx: Ctx) -> dict:
             dcp.load(state, checkpoint_id=str(root / who))
             set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
+    drop_caches_in_job()  # [Note: cold reads] in benchmarks.common
     seconds = _timed(fn, ctx)
     return {"load_s": seconds, "eval_loss": _eval_loss(trainer, params, ctx),
             "rss_mb": _rss_mb()}

@@ -162,8 +162,7 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
         order = [w for w in (kinds if r % 2 == 0 else reversed(kinds))
                  if w not in errors and jobs.get(w, Job(w, True, 0)).ok]
         got = launch([(w, "load", {**common, "contender": w, **kinds[w]}) for w in order],
-                     nproc=m, batch=opts.quick, timeout=opts.timeout, verbose=opts.verbose,
-                     before=drop_caches)
+                     nproc=m, batch=opts.quick, timeout=opts.timeout, verbose=opts.verbose)
         for w, job in got.items():
             job = _checked(job, saves[w].ranks[0]["eval_loss"])
             print(f"    {w}: {_load_s(job):.3f} s" if job.ok else f"    {w}: {job.error}",
@@ -176,7 +175,7 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
         # Show what does work for DeepSpeed: loading at the world size that saved.
         jobs.update(launch([("ds-same", "load", {**common, "contender": "ds"})],
                            nproc=opts.nproc, batch=False, timeout=opts.timeout,
-                           verbose=opts.verbose, before=drop_caches)
+                           verbose=opts.verbose)
                     if saves["ds"].ok else {})
     rows, notes = [], []
     for w in ("zs", "dcp", "ds", "ds-same"):
@@ -212,8 +211,9 @@ def _load_section(opts: Any, common: dict, saves: dict, base: Path, size: str) -
                1.0) if rows[2]["values"] else None,
     ) if r]
     return {"key": "load", "title": f"Load at another world size ({opts.nproc} -> {m})",
-            "setup": f"{size}; read by {m} ranks, page cache dropped before each load "
-                     f"(one process group for all with --quick); loaded state checked by "
+            "setup": f"{size}; read by {m} ranks (one process group for all with --quick), "
+                     "page cache dropped right before each timed load (inside the job, once "
+                     "the ranks are up) and before each cat; loaded state checked by "
                      f"the loss on a fixed batch; best of {rounds} round(s) in alternating "
                      "order, the cat included",
             "rows": rows, "ratios": ratios, "notes": notes}
