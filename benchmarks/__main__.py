@@ -50,9 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ranks that load the checkpoints the --nproc ranks wrote (default 3)")
     p.add_argument("--steps", type=int, default=10, help="timed training steps (default 10)")
     p.add_argument("--rounds", type=int, default=2,
-                   help="step and load rows: run every contender (and the load row's "
-                        "cat) this many times, alternating the order, and keep each one's "
-                        "best round (default 2)")
+                   help="step, load, s3, mesh and layout rows: run every contender (and "
+                        "the load rows' cat) this many times, alternating the order, and "
+                        "keep each one's best round (default 2)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     p.add_argument("--launcher", choices=LAUNCHERS, default=None,
