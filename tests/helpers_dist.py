@@ -125,12 +125,11 @@ def _worker(
 
     torch.set_num_threads(1)
     try:
+        timeout = timedelta(seconds=pg_timeout_s)
+        # A client of the caller's store ([Note: the store outlives the ranks]).
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         try:
             value = fn(rank, world_size, *args, **kwargs)
@@ -172,9 +171,26 @@ def _run_fresh(
     pg_timeout_s: float,
     spawn: bool,
 ) -> list[Any]:
+    import torch.distributed as dist
+
     ctx = dist_pool.start_context(spawn=spawn)
     results = ctx.Queue()
     port = free_port()
+    # [Note: the store outlives the ranks]
+    # The ranks' key-value store lives here, in the caller, as torchrun's agent hosts it
+    # for its workers. With rank 0 hosting it (tcp:// init), rank 0's exit took it away
+    # from ranks still at work: the ranks of a group without rank 0 (a shard group of an
+    # HSDP 2 x 2 mesh) make their arrival check for close() in it, and may do so after
+    # rank 0's group is done and gone. The HSDP round-trip test failed that way once
+    # ("lost the process group's key-value store ... (Broken pipe)").
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
     with dist_pool.worker_environment() as env:
         procs = _start(ctx, fn, world_size, port, args, kwargs, results, env, pg_timeout_s)
     deadline = time.monotonic() + timeout
@@ -211,6 +227,7 @@ def _run_fresh(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
+        del store  # every rank is gone: the server closes
     failures = {r: payload for r, (ok, payload) in got.items() if not ok}
     if failures:
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))

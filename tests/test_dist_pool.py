@@ -125,6 +125,33 @@ def _hang(rank: int, world: int) -> None:
     time.sleep(600)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (an exited child awaiting its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _outlive_rank_0(rank: int, world: int) -> str:
+    """Rank 0 returns at once; rank 1 waits until rank 0's process has ended, then uses the
+    group's store ([Note: the store outlives the ranks] in helpers_dist)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    if rank == 0:
+        store.set("rank0-pid", str(os.getpid()))
+        return "done"
+    pid = int(store.get("rank0-pid"))
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "rank 0 did not end within 60 s"
+    store.set("after-rank-0", "still here")
+    return store.get("after-rank-0").decode()
+
+
 def test_workers_are_reused_and_their_group_works() -> None:
     first = run_distributed(_pid, 2)
     assert run_distributed(_pid, 2) == first
@@ -258,3 +285,12 @@ def test_unpooled_calls_fork_new_workers_with_the_callers_environment(
     assert [r[:2] for r in spawned] == [(False, "caller")] * 2
     by_name = run_distributed(_start_state, 2, pooled=False, spawn=False)
     assert [r[:2] for r in by_name] == [(True, "caller")] * 2
+
+
+def test_a_fresh_rank_can_use_the_store_after_rank_0_has_ended() -> None:
+    # As under torchrun, whose agent hosts the store: the ranks of an HSDP shard group
+    # without rank 0 make close()'s arrival check in it after rank 0 may have exited.
+    assert run_distributed(_outlive_rank_0, 2, pooled=False, spawn=False) == [
+        "done",
+        "still here",
+    ]
