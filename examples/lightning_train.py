@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.log_json, "w") as f:
             for step, loss in model.losses:
                 f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+    if dist.is_initialized():  # a clean exit: no process-group threads left at shutdown
+        # Lightning leaves the group to interpreter exit, where gloo's threads can abort
+        # the process ("terminate called without an active exception"; rank 0 did once
+        # under torchrun, after fit had finished).
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
