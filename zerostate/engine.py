@@ -49,6 +49,7 @@ from zerostate.config import EngineConfig, check_setting_names
 from zerostate.coordinator import Coordinator
 from zerostate.engine_state import (
     ENGINE_STATE_VERSION,
+    AppliedLoad,
     LoadPlan,
     check_document,
     check_tensors,
@@ -770,12 +771,13 @@ class Engine:
             needed[f"buffers/{name}"] = tuple(buf.shape)
         return needed
 
-    def apply_load(self, plan: LoadPlan) -> Callable[[], None]:
-        """Install a checked plan (before the tensors are read into :meth:`state_views`);
-        returns what puts the optimizer state, step count and loss scale back."""
+    def apply_load(self, plan: LoadPlan, read: Collection[str] = ()) -> AppliedLoad:
+        """Install a checked plan (before the tensors named in ``read`` are read into
+        :meth:`state_views`): the optimizer state the step holds gets fresh tensors, so
+        the undo puts the optimizer state, step count and loss scale back untouched."""
         scaler = self._scaler.state_dict()
         micro = self._micro_step
-        undo_optimizer = self._optimizer.apply_load(plan.optimizer, plan.step)
+        undo_optimizer, fresh = self._optimizer.apply_load(plan.optimizer, plan.step, read)
         self._scaler.load_state_dict(plan.loss_scaler)
         self._micro_step = 0
 
@@ -784,7 +786,7 @@ class Engine:
             self._scaler.load_state_dict(scaler)
             self._micro_step = micro
 
-        return undo
+        return AppliedLoad(undo, frozenset(id(t) for t in fresh))
 
     def load_engine_state(self, state: dict, *, strict: bool = True) -> None:
         """Plan and apply ``state`` alone (the tensors are the caller's business)."""

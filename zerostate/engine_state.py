@@ -14,16 +14,17 @@ the optimizer classes, group membership, the decoded optimizer state and loss sc
 the tensors the engine would need against those the step stores (missing, unexpected,
 shapes), and returns a :class:`LoadPlan`; a peer's step is fitted to the engine on a copy
 of its document first (``zerostate.checkpoint``). Only then :meth:`Engine.apply_load`
-installs the plan and the reader writes the tensors. A read that fails after that (a
-damaged row) puts the optimizer's state keys, scalars, groups and the step count back
-(the undo that ``apply_load`` returns), so ``step()`` still works; the tensors the read had
-already filled keep the checkpoint's values ([Note: a failed map] in
-zerostate.store.step_base).
+installs the plan and the reader reads the tensors. A read that fails after that (a
+damaged or missing row, found only by reading it) changes nothing either: the optimizer
+state the step holds is read into fresh tensors, everything else into staging until every
+rank has read its part ([Note: nothing lands before every rank has read] in
+zerostate.checkpoint.load), and the undo that ``apply_load`` returns puts the optimizer's
+previous state, scalars, groups, step count and loss scale back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,16 @@ class LoadPlan:
     step: int
     loss_scaler: dict
     optimizer: OptimizerLoad
+
+
+@dataclass(frozen=True)
+class AppliedLoad:
+    """An installed :class:`LoadPlan`: ``undo()`` puts the engine back as it was before,
+    and ``fresh`` holds the ``id`` s of the tensors it allocated for the reader (optimizer
+    state the step holds), which nothing else refers to yet."""
+
+    undo: Callable[[], None]
+    fresh: frozenset[int]
 
 
 def check_document(state: Any) -> None:

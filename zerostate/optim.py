@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -518,14 +518,21 @@ class ShardedOptimizer:
                 mixed.append(f"group {i} ({_groups_listing([members])}) from saved groups {found}")
         return hyper, mixed
 
-    def apply_load(self, plan: OptimizerLoad, step: int) -> Callable[[], None]:
-        """Install a checked plan: state keys (fresh zeros where the reader will write;
-        tensors of the right shape are reused), scalar state, group hyperparameters and
-        the step count. Returns what puts the previous state, groups and count back (a
-        read that fails after this leaves a state ``step()`` can use)."""
+    def apply_load(
+        self, plan: OptimizerLoad, step: int, read: Collection[str] = ()
+    ) -> tuple[Callable[[], None], list[torch.Tensor]]:
+        """Install a checked plan: state keys, scalar state, group hyperparameters and the
+        step count. A key of host memory whose tensor the step holds
+        (``optim/<key>/<name>`` in ``read``) gets a fresh tensor for the reader to fill in
+        place; the others keep a tensor of the right shape, else fresh zeros (a device
+        tensor is written only after every rank has read, from host staging). Returns what
+        puts the previous state (its tensors untouched), groups and count back, and the
+        fresh tensors ([Note: nothing lands before every rank has read] in
+        zerostate.checkpoint.load)."""
         previous = [(opt, dict(opt.state)) for opt in self.inner]
         groups = [dict(g) for g in self.optimizer.param_groups]
         count = self.step_count
+        fresh: list[torch.Tensor] = []
         for sp in self.trainable:
             keys = plan.keys[sp.name]
             if keys is None:
@@ -534,6 +541,10 @@ class ShardedOptimizer:
             old = opt.state.get(sp.master, {})
             state = {}
             for key in keys:
+                if f"optim/{key}/{sp.name}" in read and sp.master.device.type == "cpu":
+                    state[key] = torch.empty_like(sp.master, memory_format=torch.preserve_format)
+                    fresh.append(state[key])
+                    continue
                 value = old.get(key)
                 ok = isinstance(value, torch.Tensor) and value.shape == sp.master.shape
                 state[key] = value if ok else _zeros(sp.master)
@@ -556,7 +567,7 @@ class ShardedOptimizer:
                 g.update(saved)
             self.step_count = count
 
-        return undo
+        return undo, fresh
 
     def _inner_of(self, sp: ShardedParam) -> Optimizer:
         for opt in self.inner:

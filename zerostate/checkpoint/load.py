@@ -53,7 +53,8 @@ class LoadSession:
         """Load; returns the step's ``client_state``."""
         engine, path, stateful = self.engine, self.path, self._stateful
         self.coordinator.arrive("load")
-        error, st, restore, left, read_whole, undo, plan = None, None, None, [], set(), None, None
+        error, st, restore, left, undo, plan = None, None, None, [], None, None
+        read_whole, staged = set(), []
         try:
             self._settle()  # the save in flight finishes, its snapshot is taken
             root = self._roots.open(path, self._storage_options)  # [Note: one root per location]
@@ -71,8 +72,9 @@ class LoadSession:
                     f"step {st.step} in {path} holds state this load was not asked to "
                     f"restore: {'; '.join(left)} (strict_state=True)"
                 )
-            undo = engine.apply_load(plan)
-            read_whole = self._read_tensors(st)
+            applied = engine.apply_load(plan, st.tensors.keys())
+            undo = applied.undo
+            read_whole, staged = self._read_tensors(st, applied.fresh)
         except Exception as exc:
             error = exc
         try:
@@ -84,6 +86,7 @@ class LoadSession:
                 if undo is not None:
                     undo()
                 raise
+            _land(staged)
             engine.refresh_from_masters(read_whole)
             rng, objects = restore
             restore_rng(st, rng, rank=self.rank, world_size=self.world_size)
@@ -122,10 +125,32 @@ class LoadSession:
                 "; ".join(left),
             )
 
-    def _read_tensors(self, st: Any) -> set[str]:
-        """Read this rank's ranges of every view the step holds into the engine (whose
-        optimizer state already holds the planned keys); the names of the working
-        parameters read whole.
+    def _read_tensors(
+        self, st: Any, fresh: frozenset[int]
+    ) -> tuple[set[str], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Read this rank's ranges of every view the step holds: the optimizer state that
+        ``apply_load`` gave fresh tensors (their ``id`` s in ``fresh``) in place, the rest
+        into staging. Returns the names of the working parameters read whole and the
+        ``(engine tensor, staged data)`` pairs :func:`_land` copies once every rank has read
+        its part.
+
+        [Note: nothing lands before every rank has read]
+        A damaged or missing row is found only by reading it, after other ranges of this
+        rank, and every range of the other ranks, have been read. Reads used to land in the
+        engine's own tensors, so such a load raised with the weights and moments part
+        checkpoint, part what they were, and at stage 3 the masters out of step with the
+        working parameters (found with a flipped byte at stages 1 and 3, 2 ranks). Now the
+        optimizer state the step holds is read into fresh tensors (``apply_load``; its undo
+        puts the old ones back untouched), and the weights, buffers and working parameters
+        into staging that :func:`_land` copies in after the ranks agreed that every read
+        went through ([Note: failing together] in zerostate.checkpoint). So a load that
+        fails while reading changes nothing, like one refused by its plan. The cost is
+        host memory: until the copy, this rank holds its part of the weights (its whole
+        working parameters where it reads them whole, see below) twice, and an engine that
+        had optimizer state in host memory holds the old and the new moments. Tensors on an
+        accelerator were already read through host memory and copied after the read; that
+        copy now waits for the agreement too, into the tensors they had (no accelerator
+        memory is added).
 
         [Note: whole replicas at load]
         At stages 1-2 the working parameters are replicated and the masters are the owned
@@ -143,7 +168,7 @@ class LoadSession:
         leaves the same ones out of the gather."""
         views = self.engine.state_views()
         # One batched read: every piece of storage this rank needs is fetched once, adjacent
-        # pieces together, and lands in the engine's own memory where it can.
+        # pieces together, into fresh memory.
         whole = self.engine.whole_replicas() if st.reads_locally else {}
         requests, targets, read_whole = [], [], set()
         mesh_reads, mesh_targets = [], []
@@ -151,29 +176,39 @@ class LoadSession:
             info, local, start = st.tensors.get(view.name), view.local, view.local_start
             if info is None:
                 continue
+            in_place = id(local) in fresh
             if view.mesh is not None:  # [Note: tensor-parallel checkpoints]
                 name, mesh, tp_index, lo, hi, out = layout_read(view)
-                direct = local.device.type == "cpu" and local.is_contiguous()
+                direct = in_place and local.device.type == "cpu" and local.is_contiguous()
                 if not direct or local.dtype != info.dtype:
                     out = torch.empty(hi - lo, dtype=info.dtype)
                     mesh_targets.append((local, out))
                 mesh_reads.append((name, mesh, tp_index, lo, hi, out))
                 continue
             if view.name in whole:
-                local, start = whole[view.name], 0
+                local, start, in_place = whole[view.name], 0, False
                 read_whole.add(view.name)
             if local.numel() == 0:
                 continue
             direct = (
-                local.device.type == "cpu" and local.is_contiguous() and local.dtype == info.dtype
+                in_place
+                and local.device.type == "cpu"
+                and local.is_contiguous()
+                and local.dtype == info.dtype
             )
             out = local.detach().view(-1) if direct else None
             requests.append((view.name, start, start + local.numel(), out))
             targets.append(None if direct else local)
         results = st.read_many(requests)  # every format batches (see store/protocol.py)
         st.read_layout_many(mesh_reads)
-        with torch.no_grad():
-            for local, data in [*zip(targets, results, strict=True), *mesh_targets]:
-                if local is not None:
-                    local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
-        return read_whole
+        staged = [(t, d) for t, d in zip(targets, results, strict=True) if t is not None]
+        return read_whole, staged + mesh_targets
+
+
+def _land(staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy staged reads into the engine's tensors ([Note: nothing lands before every rank
+    has read]); each staged buffer goes as soon as it has landed."""
+    with torch.no_grad():
+        while staged:
+            local, data = staged.pop()
+            local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
