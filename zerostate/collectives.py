@@ -426,8 +426,8 @@ def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: floa
     except _NETWORK_ERROR as exc:
         raise CollectiveTimeoutError(
             f"{what}: lost the process group's key-value store while waiting for the other "
-            f"ranks ({exc}); the process hosting it (rank 0 under torchrun) has probably "
-            "exited, see its error"
+            f"ranks ({exc}); the process hosting it (torchrun's agent, or rank 0 of a plain "
+            "init_process_group) has probably exited, see its error"
         ) from None
     if verdict == "ok":
         differ = {r: c for r, c in enumerate(calls) if c != what}

@@ -951,7 +951,8 @@ class Engine:
         an error path where other ranks may never call ``close()``. Training, ``load``
         and ``load_pretrained`` are refused afterwards; ``full_state_dict()`` still works.
         """
-        if whole_model and not self._closed:
+        ending = whole_model and not self._closed
+        if ending:
             if self._runtime.policy.shard_params:
                 self._arrive("close")
             self._runtime.detach()
@@ -964,6 +965,18 @@ class Engine:
             self._closed = True
         if self._checkpointer is not None:
             self._checkpointer.close()
+        if ending and self._mesh is not None and collectives.is_initialized():
+            # [Note: the last arrival spans the mesh]
+            # Outside torchrun (mp.spawn, a plain init_process_group) rank 0 hosts the
+            # process group's store. The arrivals above are over this engine's group, a
+            # dp_shard group of the mesh: the group without rank 0 could still be counting
+            # itself out of close() in the store after rank 0 had returned and its process
+            # ended, and failed with "lost the process group's key-value store" (HSDP 2 x 2,
+            # stage 3, that group 1 s slower). The mesh covers every rank, so one more arrival
+            # over all of them makes rank 0 the last to leave the store.
+            world_rank, world_size = collectives.group_info(None)
+            if self.world_size < world_size:
+                self.coordinator.over(None, world_rank, world_size).arrive("close")
 
     @property
     def closed(self) -> bool:

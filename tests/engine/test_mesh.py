@@ -298,3 +298,56 @@ def test_mesh_spanning_fewer_ranks_than_the_world_is_refused() -> None:
         patch.setattr(meshes.collectives, "group_info", lambda group: (0, 4))
         with pytest.raises(ConfigError, match="spans 2 ranks but the world has 4"):
             meshes.plan_mesh(_Mesh(), torch.device("cpu"))
+
+
+def _close_worker(rank: int, port: int, results) -> None:
+    """One rank of a plain ``init_process_group`` (rank 0 hosts the store, as under
+    ``mp.spawn``) that trains a step on an HSDP engine, closes it and ends at once; the
+    shard group without rank 0 reaches close() a second later."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4
+        )
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+        engine = zerostate.Engine(model, stage=3, mesh=_hsdp_mesh(), lr=1e-2)
+        engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+        engine.step()
+        if rank in (2, 3):
+            time.sleep(1.0)
+        engine.close()
+        results.put((rank, "closed"))
+    except BaseException as exc:  # reported to the test, which names it
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # a script that ends right after close(): no teardown waits for anyone
+
+
+@pytest.mark.slow
+def test_closing_a_mesh_engine_keeps_the_store_until_every_rank_is_out() -> None:
+    # [Note: the last arrival spans the mesh] in zerostate.engine.
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_close_worker, args=(r, port, results)) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got == {r: "closed" for r in range(4)}, got
