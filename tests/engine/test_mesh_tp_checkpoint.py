@@ -49,12 +49,18 @@ def _local_state(engine):
     return {v.name: v.local.detach().clone() for v in engine.state_views()}
 
 
-def _save_worker(rank, world_size, root, stage):
+def _trained_and_saved(root, stage):
+    """A (dp_shard 2 x tp 2) engine trained ``SAVED_AT`` steps and saved to ``root``."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     engine = _engine(mesh, stage)
     for step in range(SAVED_AT):
         _step(engine, _local_batch(step, mesh))
     engine.save(root)
+    return mesh, engine
+
+
+def _save_worker(rank, world_size, root, stage):
+    mesh, engine = _trained_and_saved(root, stage)
     saved = engine.full_state_dict()
     local = _local_state(engine)
     for step in range(SAVED_AT, SAVED_AT + MORE):
@@ -143,11 +149,7 @@ def _damaged_worker(rank, world_size, root, stage):
 
     import torch.distributed as dist
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    source = _engine(mesh, stage)
-    for step in range(SAVED_AT):
-        _step(source, _local_batch(step, mesh))
-    source.save(root)
+    mesh, _ = _trained_and_saved(root, stage)
     dist.barrier()
     if rank == 0:  # a byte of rank 0's weight row, found only by reading it
         (step_dir,) = Path(root).glob("step-*")
