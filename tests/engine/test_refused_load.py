@@ -222,3 +222,5 @@ def test_a_load_that_fails_while_reading_leaves_the_engine_as_it_was(tmp_path, s
     # Rank 1 reads rank 0's row too where it reads whole parameters (stages 1-2).
     other = results[1]["flip model"]["refusal"]
     assert "failed on rank(s) [0]" in other or "fails its checksum" in other, other
+    if stage == 3:  # rank 1 read only its own part, which was sound
+        assert other.endswith("nothing was loaded: this engine is as it was"), other

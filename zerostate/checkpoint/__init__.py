@@ -201,7 +201,10 @@ class Checkpointer:
         session = LoadSession(
             self.engine,
             path,
-            coordinator=self.coordinator,
+            # [Note: nothing lands before every rank has read] in zerostate.checkpoint.load
+            coordinator=self.coordinator.with_errors(
+                CheckpointError, ", and nothing was loaded: this engine is as it was"
+            ),
             roots=self.roots,
             settle=self.settle,
             step=step,
