@@ -57,6 +57,13 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _all_zero_bits(t: torch.Tensor) -> bool:
+    """Whether every byte of ``t`` is zero (``-0.0`` is not): what ``zero_()`` restores."""
+    if not t.is_contiguous():
+        return False
+    return not bool(t.detach().reshape(-1).view(torch.uint8).any())
+
+
 def _adam_state(group: dict, p: torch.Tensor) -> dict:
     state = {"step": torch.tensor(0.0, dtype=_scalar_dtype()), "exp_avg": _zeros(p)}
     state["exp_avg_sq"] = _zeros(p)
@@ -523,16 +530,18 @@ class ShardedOptimizer:
     ) -> tuple[Callable[[], None], list[torch.Tensor]]:
         """Install a checked plan: state keys, scalar state, group hyperparameters and the
         step count. A key of host memory whose tensor the step holds
-        (``optim/<key>/<name>`` in ``read``) gets a fresh tensor for the reader to fill in
-        place; the others keep a tensor of the right shape, else fresh zeros (a device
-        tensor is written only after every rank has read, from host staging). Returns what
-        puts the previous state (its tensors untouched), groups and count back, and the
-        fresh tensors ([Note: nothing lands before every rank has read] in
-        zerostate.checkpoint.load)."""
+        (``optim/<key>/<name>`` in ``read``) gets a tensor the reader fills in place: its
+        own when every bit of it is zero (the state the engine creates at construction;
+        the undo zeroes it again), else a fresh one. The others keep a tensor of the right
+        shape, else fresh zeros (a device tensor is written only after every rank has
+        read, from host staging). Returns what puts the previous state, groups and count
+        back exactly, and the tensors for the reader ([Note: nothing lands before every
+        rank has read] in zerostate.checkpoint.load)."""
         previous = [(opt, dict(opt.state)) for opt in self.inner]
         groups = [dict(g) for g in self.optimizer.param_groups]
         count = self.step_count
         fresh: list[torch.Tensor] = []
+        zeroed: list[torch.Tensor] = []  # read in place: the undo zeroes them again
         for sp in self.trainable:
             keys = plan.keys[sp.name]
             if keys is None:
@@ -541,12 +550,19 @@ class ShardedOptimizer:
             old = opt.state.get(sp.master, {})
             state = {}
             for key in keys:
-                if f"optim/{key}/{sp.name}" in read and sp.master.device.type == "cpu":
-                    state[key] = torch.empty_like(sp.master, memory_format=torch.preserve_format)
-                    fresh.append(state[key])
-                    continue
                 value = old.get(key)
                 ok = isinstance(value, torch.Tensor) and value.shape == sp.master.shape
+                if f"optim/{key}/{sp.name}" in read and sp.master.device.type == "cpu":
+                    if ok and _all_zero_bits(value):
+                        # As the engine created it (or never stepped since): no second copy.
+                        state[key] = value
+                        zeroed.append(value)
+                    else:
+                        state[key] = torch.empty_like(
+                            sp.master, memory_format=torch.preserve_format
+                        )
+                    fresh.append(state[key])
+                    continue
                 state[key] = value if ok else _zeros(sp.master)
             state.update(plan.scalars.get(sp.name, {}))
             if state:
@@ -559,6 +575,9 @@ class ShardedOptimizer:
         self.step_count = step
 
         def undo() -> None:
+            with torch.no_grad():
+                for t in zeroed:
+                    t.zero_()
             for opt, state in previous:
                 opt.state.clear()
                 opt.state.update(state)

@@ -185,8 +185,16 @@ def _damaged_row_worker(rank: int, world_size: int, root: str, stage: int) -> di
     out = {}
     # Rows of many inner chunks: the damage is met after others were read on this rank too.
     widths = (48, 200, 48)
-    cases = [("model", "flip"), ("optim/exp_avg_sq", "flip"), ("model", "delete")]
-    for i, (group, how) in enumerate(cases):
+    # (group, damage, steps the engine took before the load): 0 is a resumed run, whose
+    # moments are still the zeros the engine created and are read in place.
+    cases = [
+        ("model", "flip", TRIED_AT),
+        ("optim/exp_avg_sq", "flip", TRIED_AT),
+        ("model", "delete", TRIED_AT),
+        ("model", "flip", 0),
+        ("optim/exp_avg_sq", "flip", 0),
+    ]
+    for i, (group, how, before_steps) in enumerate(cases):
         ckpt = os.path.join(root, f"case-{i}")
         source = _engine(widths, stage=stage)
         _train(source, rank, 0, 2)
@@ -196,11 +204,11 @@ def _damaged_row_worker(rank: int, world_size: int, root: str, stage: int) -> di
             _damage(ckpt, group, how)
         dist.barrier()
         engine, reference = _engine(widths, stage=stage), _engine(widths, stage=stage)
-        _train(engine, rank, 0, TRIED_AT)
-        _train(reference, rank, 0, TRIED_AT)
+        _train(engine, rank, 0, before_steps)
+        _train(reference, rank, 0, before_steps)
         before = _snapshot(engine)
         refusal = _refused(engine, ckpt)
-        out[f"{how} {group}"] = {
+        out[f"{how} {group} after {before_steps} step(s)"] = {
             "refusal": refusal,
             "unchanged": _same(before, _snapshot(engine)),
             **_after_refusal(engine, reference, rank),
@@ -218,9 +226,10 @@ def test_a_load_that_fails_while_reading_leaves_the_engine_as_it_was(tmp_path, s
             assert r["refusal"] is not None, (rank, case, "the load went through")
             assert r["unchanged"], (rank, case, r["refusal"])
             assert r["losses"] and r["final"] and r["state"], (rank, case, r)
-    assert "fails its checksum" in results[0]["flip model"]["refusal"]
+    case = f"flip model after {TRIED_AT} step(s)"
+    assert "fails its checksum" in results[0][case]["refusal"]
     # Rank 1 reads rank 0's row too where it reads whole parameters (stages 1-2).
-    other = results[1]["flip model"]["refusal"]
+    other = results[1][case]["refusal"]
     assert "failed on rank(s) [0]" in other or "fails its checksum" in other, other
     if stage == 3:  # rank 1 read only its own part, which was sound
         assert other.endswith("nothing was loaded: this engine is as it was"), other

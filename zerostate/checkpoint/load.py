@@ -144,10 +144,12 @@ class LoadSession:
         puts the old ones back untouched), and the weights, buffers and working parameters
         into staging that :func:`_land` copies in after the ranks agreed that every read
         went through ([Note: failing together] in zerostate.checkpoint). So a load that
-        fails while reading changes nothing, like one refused by its plan. The cost is
-        host memory: until the copy, this rank holds its part of the weights (its whole
-        working parameters where it reads them whole, see below) twice, and an engine that
-        had optimizer state in host memory holds the old and the new moments. Tensors on an
+        fails while reading changes nothing, like one refused by its plan. Moments whose
+        every bit is zero, as the engine creates them at construction (a resumed run), are
+        read in place and zeroed again by the undo: a resume holds no second copy of them.
+        The cost is host memory: until the copy, this rank holds its part of the weights
+        (its whole working parameters where it reads them whole, see below) twice, and an
+        engine that had stepped holds its old and the new moments. Tensors on an
         accelerator were already read through host memory and copied after the read; that
         copy now waits for the agreement too, into the tensors they had (no accelerator
         memory is added).
