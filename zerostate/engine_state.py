@@ -16,10 +16,11 @@ shapes), and returns a :class:`LoadPlan`; a peer's step is fitted to the engine 
 of its document first (``zerostate.checkpoint``). Only then :meth:`Engine.apply_load`
 installs the plan and the reader reads the tensors. A read that fails after that (a
 damaged or missing row, found only by reading it) changes nothing either: the optimizer
-state the step holds is read into fresh tensors, everything else into staging until every
-rank has read its part ([Note: nothing lands before every rank has read] in
-zerostate.checkpoint.load), and the undo that ``apply_load`` returns puts the optimizer's
-previous state, scalars, groups, step count and loss scale back.
+state the step holds is read into fresh tensors (or into all-zero ones the undo zeroes
+again), everything else into staging until every rank has read its part ([Note: nothing
+lands before every rank has read] in zerostate.checkpoint.load), and the undo that
+``apply_load`` returns puts the optimizer's previous state, scalars, groups, step count
+and loss scale back.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class LoadPlan:
 @dataclass(frozen=True)
 class AppliedLoad:
     """An installed :class:`LoadPlan`: ``undo()`` puts the engine back as it was before,
-    and ``fresh`` holds the ``id`` s of the tensors it allocated for the reader (optimizer
-    state the step holds), which nothing else refers to yet."""
+    and ``fresh`` holds the ``id`` s of the optimizer-state tensors the reader may fill in
+    place: new ones, and all-zero ones that the undo zeroes again."""
 
     undo: Callable[[], None]
     fresh: frozenset[int]

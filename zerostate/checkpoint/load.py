@@ -129,7 +129,7 @@ class LoadSession:
         self, st: Any, fresh: frozenset[int]
     ) -> tuple[set[str], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Read this rank's ranges of every view the step holds: the optimizer state that
-        ``apply_load`` gave fresh tensors (their ``id`` s in ``fresh``) in place, the rest
+        ``apply_load`` prepared for it (their ``id`` s in ``fresh``) in place, the rest
         into staging. Returns the names of the working parameters read whole and the
         ``(engine tensor, staged data)`` pairs :func:`_land` copies once every rank has read
         its part.
