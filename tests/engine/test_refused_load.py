@@ -233,3 +233,15 @@ def test_a_load_that_fails_while_reading_leaves_the_engine_as_it_was(tmp_path, s
     assert "failed on rank(s) [0]" in other or "fails its checksum" in other, other
     if stage == 3:  # rank 1 read only its own part, which was sound
         assert other.endswith("nothing was loaded: this engine is as it was"), other
+
+
+def test_staged_reads_land_in_strided_tensors() -> None:
+    # [Note: nothing lands before every rank has read]: what the reader staged is copied
+    # into the engine's tensor itself, whatever its strides (reshape(-1) of a transposed
+    # tensor is a copy, and a copy into it would land nowhere).
+    from zerostate.checkpoint.load import _land
+
+    base = torch.zeros(3, 4)
+    data = torch.arange(12, dtype=torch.float32)
+    _land([(base.T, data)])
+    assert torch.equal(base.T, data.reshape(4, 3))

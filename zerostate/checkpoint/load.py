@@ -213,4 +213,5 @@ def _land(staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         while staged:
             local, data = staged.pop()
-            local.reshape(-1).copy_(data.to(local.dtype), non_blocking=True)
+            # Into ``local`` itself: ``local.reshape(-1)`` of a strided tensor is a copy.
+            local.copy_(data.to(local.dtype).reshape(local.shape), non_blocking=True)
