@@ -22,7 +22,7 @@ from common import (
     reference_run,
     rel,
 )
-from helpers_dist import run_distributed
+from helpers_dist import free_port, run_distributed
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerostate
@@ -333,11 +333,8 @@ def _close_worker(rank: int, port: int, results) -> None:
 def test_closing_a_mesh_engine_keeps_the_store_until_every_rank_is_out() -> None:
     # [Note: the last arrival spans the mesh] in zerostate.engine.
     import multiprocessing
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # [Note: free ports] in helpers_dist
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_close_worker, args=(r, port, results)) for r in range(4)]

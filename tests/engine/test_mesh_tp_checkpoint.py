@@ -12,6 +12,7 @@ import torch
 from helpers_dist import run_distributed
 from safetensors.torch import load_file
 from test_mesh_tp import GLOBAL_BATCH, SGD, _batch, _llama, _local_batch, _loss, _parallelize
+from test_refused_load import _damage
 from torch.distributed.device_mesh import init_device_mesh
 
 import zerostate
@@ -145,18 +146,12 @@ def test_tp_checkpoint_round_trips_and_loads_at_other_layouts(tmp_path, stage):
 
 
 def _damaged_worker(rank, world_size, root, stage):
-    from pathlib import Path
-
     import torch.distributed as dist
 
     mesh, _ = _trained_and_saved(root, stage)
     dist.barrier()
     if rank == 0:  # a byte of rank 0's weight row, found only by reading it
-        (step_dir,) = Path(root).glob("step-*")
-        row = step_dir / "model" / "c" / "0" / "0"
-        data = bytearray(row.read_bytes())
-        data[len(data) // 2] ^= 0x5A
-        row.write_bytes(bytes(data))
+        _damage(root, "model", "flip")
     dist.barrier()
     engine, reference = _engine(mesh, stage), _engine(mesh, stage)
     _step(engine, _local_batch(0, mesh))
