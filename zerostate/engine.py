@@ -774,7 +774,7 @@ class Engine:
     def apply_load(self, plan: LoadPlan, read: Collection[str] = ()) -> AppliedLoad:
         """Install a checked plan (before the tensors named in ``read`` are read into
         :meth:`state_views`): the host optimizer state the step holds gets tensors the
-        reader fills in place (fresh ones, or its own where all zero), and the undo puts
+        reader fills in place (fresh ones, or its own while known zero), and the undo puts
         the optimizer state, step count and loss scale back exactly."""
         scaler = self._scaler.state_dict()
         micro = self._micro_step

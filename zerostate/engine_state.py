@@ -16,11 +16,11 @@ shapes), and returns a :class:`LoadPlan`; a peer's step is fitted to the engine 
 of its document first (``zerostate.checkpoint``). Only then :meth:`Engine.apply_load`
 installs the plan and the reader reads the tensors. A read that fails after that (a
 damaged or missing row, found only by reading it) changes nothing either: the optimizer
-state the step holds is read into fresh tensors (or into all-zero ones the undo zeroes
-again), everything else into staging until every rank has read its part ([Note: nothing
-lands before every rank has read] in zerostate.checkpoint.load), and the undo that
-``apply_load`` returns puts the optimizer's previous state, scalars, groups, step count
-and loss scale back.
+state the step holds is read into fresh tensors (or into the zero ones the engine made,
+which the undo zeroes again: [Note: known zero moments] in zerostate.optim), everything
+else into staging until every rank has read its part ([Note: nothing lands before every
+rank has read] in zerostate.checkpoint.load), and the undo that ``apply_load`` returns
+puts the optimizer's previous state, scalars, groups, step count and loss scale back.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class LoadPlan:
 class AppliedLoad:
     """An installed :class:`LoadPlan`: ``undo()`` puts the engine back as it was before,
     and ``fresh`` holds the ``id`` s of the optimizer-state tensors the reader may fill in
-    place: new ones, and all-zero ones that the undo zeroes again."""
+    place: new ones, and the engine's own zero ones that the undo zeroes again."""
 
     undo: Callable[[], None]
     fresh: frozenset[int]

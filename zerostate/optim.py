@@ -57,11 +57,45 @@ def _zeros(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _all_zero_bits(t: torch.Tensor) -> bool:
-    """Whether every byte of ``t`` is zero (``-0.0`` is not): what ``zero_()`` restores."""
-    if not t.is_contiguous():
-        return False
-    return not bool(t.detach().reshape(-1).view(torch.uint8).any())
+class _KnownZero:
+    """The optimizer-state tensors known to hold all-zero bits because the engine made them
+    so and nothing has written them since: a load may read a checkpoint straight into them
+    and, if the load fails, zero them again ([Note: known zero moments]).
+
+    [Note: known zero moments]
+    A load that fails while reading must leave the optimizer state as it was ([Note:
+    nothing lands before every rank has read] in zerostate.checkpoint.load), so a state
+    tensor the step holds is read into a fresh tensor, unless the old one is all zero:
+    then it is read in place and the undo zeroes it. The engine creates its moments zero at
+    construction, so every resume is that case. It used to be found by scanning every
+    moment (a ``uint8`` ``any()`` per tensor) before the read. In a process that had not
+    run that reduction before (every resume), with the page cache dropped, the scan cost
+    20-30 ms of a 0.19 s load (GPT-2 'io', 3 ranks on 2 cores): its kernel's code pages were
+    read from disk, a major fault each, five or six per rank; the bytes scanned took 3 ms.
+    Now the engine remembers the tensors it zeroed, each with its ``_version``, and
+    forgets them all at a step, at a torch ``load_state_dict`` and at a load that reads
+    into them. A tensor counts as zero only while it is the same object at the same
+    version, so an in-place edit through torch (which bumps ``_version``) makes it an
+    ordinary tensor, read into fresh memory. Writes that bypass the version counter
+    outside a step (``.data``, numpy views of the tensor, a fused kernel called by hand)
+    are not seen: after such a write and a load that fails, the undo would zero the
+    tensor."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[int, tuple[Any, int]] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        import weakref
+
+        self._tensors[id(t)] = (weakref.ref(t), t._version)
+
+    def take(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is known zero; it is forgotten either way (about to be written)."""
+        entry = self._tensors.pop(id(t), None)
+        return entry is not None and entry[0]() is t and entry[1] == t._version
+
+    def clear(self) -> None:
+        self._tensors.clear()
 
 
 def _adam_state(group: dict, p: torch.Tensor) -> dict:
@@ -322,6 +356,8 @@ class ShardedOptimizer:
             no_decay = [sp for sp in trainable if sp.no_decay]
             resolved = [(None, [[sp.name for sp in decay], [sp.name for sp in no_decay]])]
         self.inner: list[Optimizer] = []
+        #: [Note: known zero moments]
+        self._known_zero = _KnownZero()
         self.group_members: list[list[ShardedParam]] = []
         for user, names in resolved:
             groups = [[self._by_name[n] for n in members] for members in names]
@@ -364,6 +400,11 @@ class ShardedOptimizer:
                 for shard in group["params"]:
                     if not opt.state.get(shard):
                         opt.state[shard] = init(group, shard)
+                        for value in opt.state[shard].values():
+                            if isinstance(value, torch.Tensor) and value.shape == shard.shape:
+                                self._known_zero.add(value)
+        for opt in self.inner:  # torch's load_state_dict replaces the state tensors
+            opt.register_load_state_dict_pre_hook(lambda o, sd: self._known_zero.clear())
 
     def fence_loads(self, fence: Callable[[], None]) -> None:
         """Call ``fence`` before any ``load_state_dict`` of these torch optimizers writes
@@ -383,6 +424,7 @@ class ShardedOptimizer:
         """One optimizer step. ``grads[i]`` is the fp32 gradient shard of trainable
         parameter ``i``; parameters with ``stepped[i]`` False are skipped as torch skips a
         parameter without a gradient (``stepped`` must agree across ranks)."""
+        self._known_zero.clear()  # a step writes the state, fused kernels unseen
         for sp, grad, on in zip(self.trainable, grads, stepped, strict=True):
             sp.master.grad = grad if on else None
         try:
@@ -531,10 +573,10 @@ class ShardedOptimizer:
         """Install a checked plan: state keys, scalar state, group hyperparameters and the
         step count. A key of host memory whose tensor the step holds
         (``optim/<key>/<name>`` in ``read``) gets a tensor the reader fills in place: its
-        own when every bit of it is zero (the state the engine creates at construction;
-        the undo zeroes it again), else a fresh one. The others keep a tensor of the right
-        shape, else fresh zeros (a device tensor is written only after every rank has
-        read, from host staging). Returns what puts the previous state, groups and count
+        own while it is known zero (as the engine made it at construction; the undo zeroes
+        it again; [Note: known zero moments]), else a fresh one. The others keep a tensor
+        of the right shape, else fresh zeros (a device tensor is written only after every
+        rank has read, from host staging). Returns what puts the previous state, groups and count
         back exactly, and the tensors for the reader ([Note: nothing lands before every
         rank has read] in zerostate.checkpoint.load)."""
         previous = [(opt, dict(opt.state)) for opt in self.inner]
@@ -553,8 +595,8 @@ class ShardedOptimizer:
                 value = old.get(key)
                 ok = isinstance(value, torch.Tensor) and value.shape == sp.master.shape
                 if f"optim/{key}/{sp.name}" in read and sp.master.device.type == "cpu":
-                    if ok and _all_zero_bits(value):
-                        # As the engine created it (or never stepped since): no second copy.
+                    if ok and self._known_zero.take(value):
+                        # As the engine made it ([Note: known zero moments]): no second copy.
                         state[key] = value
                         zeroed.append(value)
                     else:
@@ -578,6 +620,7 @@ class ShardedOptimizer:
             with torch.no_grad():
                 for t in zeroed:
                     t.zero_()
+                    self._known_zero.add(t)
             for opt, state in previous:
                 opt.state.clear()
                 opt.state.update(state)

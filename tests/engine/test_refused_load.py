@@ -245,3 +245,72 @@ def test_staged_reads_land_in_strided_tensors() -> None:
     data = torch.arange(12, dtype=torch.float32)
     _land([(base.T, data)])
     assert torch.equal(base.T, data.reshape(4, 3))
+
+
+def _moments(engine: zerostate.Engine) -> list[torch.Tensor]:
+    opt = engine.optimizer
+    return [
+        opt.state[p][k]
+        for g in opt.param_groups
+        for p in g["params"]
+        for k in ("exp_avg", "exp_avg_sq")
+    ]
+
+
+def _known_zero_worker(rank: int, world_size: int, root: str, stage: int) -> dict:
+    # [Note: known zero moments] in zerostate.optim: the moments the engine made are read
+    # in place until something writes them; an in-place edit through torch makes them
+    # ordinary tensors again, which a failed load must then leave as they are.
+    widths = (48, 200, 48)
+    sound, damaged = os.path.join(root, "sound"), os.path.join(root, "damaged")
+    source = _engine(widths, stage=stage)
+    _train(source, rank, 0, 2)
+    source.save(sound)
+    source.save(damaged)
+    dist.barrier()
+    if rank == 0:
+        _damage(damaged, "model", "flip")
+    dist.barrier()
+    saved = _snapshot(source)["groups"]
+    out = {}
+
+    engine = _engine(widths, stage=stage)
+    made = _moments(engine)
+    out["failed load refused"] = _refused(engine, damaged) is not None
+    out["zeroed again"] = all(not t.any() for t in _moments(engine))
+    engine.load(sound)
+    out["resume after a failed load reads in place"] = all(
+        a is b for a, b in zip(made, _moments(engine), strict=True)
+    )
+    out["resume loads the checkpoint"] = _same(_snapshot(engine)["groups"], saved)
+    engine.load(sound)  # they hold the checkpoint now: a second load reads into new ones
+    out["second load reads into new tensors"] = not any(
+        a is b for a, b in zip(made, _moments(engine), strict=True)
+    )
+    out["second load loads the checkpoint"] = _same(_snapshot(engine)["groups"], saved)
+
+    edited = _engine(widths, stage=stage)
+    with torch.no_grad():
+        for t in _moments(edited):
+            t.add_(0.5)  # through torch: bumps the tensor's version
+    before = _snapshot(edited)
+    out["edited: failed load refused"] = _refused(edited, damaged) is not None
+    out["edited: moments kept"] = _same(before, _snapshot(edited))
+
+    stepped = _engine(widths, stage=stage)
+    _train(stepped, rank, 0, 1)
+    old = _moments(stepped)
+    stepped.load(sound)
+    out["stepped: loads into new tensors"] = not any(
+        a is b for a, b in zip(old, _moments(stepped), strict=True)
+    )
+    out["stepped: loads the checkpoint"] = _same(_snapshot(stepped)["groups"], saved)
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_moments_the_engine_made_are_read_in_place_until_written(tmp_path, stage) -> None:
+    results = run_distributed(_known_zero_worker, 2, str(tmp_path), stage, timeout=200)
+    for rank, result in enumerate(results):
+        for what, ok in result.items():
+            assert ok, (rank, what, result)

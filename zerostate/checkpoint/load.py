@@ -144,9 +144,10 @@ class LoadSession:
         puts the old ones back untouched), and the weights, buffers and working parameters
         into staging that :func:`_land` copies in after the ranks agreed that every read
         went through ([Note: failing together] in zerostate.checkpoint). So a load that
-        fails while reading changes nothing, like one refused by its plan. Moments whose
-        every bit is zero, as the engine creates them at construction (a resumed run), are
-        read in place and zeroed again by the undo: a resume holds no second copy of them.
+        fails while reading changes nothing, like one refused by its plan. Moments still
+        zero as the engine made them at construction (a resumed run) are read in place and
+        zeroed again by the undo: a resume holds no second copy of them ([Note: known zero
+        moments] in zerostate.optim).
         The cost is host memory: until the copy, this rank holds its part of the weights
         (its whole working parameters where it reads them whole, see below) twice, and an
         engine that had stepped holds its old and the new moments. Tensors on an
