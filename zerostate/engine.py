@@ -374,6 +374,10 @@ class Engine:
             self._runtime.on_reduced = _reduced_hook(weakref.ref(self))
         # Names whose values no initialiser wrote ([Note: unset state], runtime/init.py).
         self._unset: set[str] = set(self._runtime.unset)
+        # Names a load_pretrained that failed while reading may have partly written, and
+        # its source ([Note: torn weights]).
+        self._torn: set[str] = set()
+        self._torn_source = ""
         self._optimizer = self._build_optimizer()
         link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
         self._optimizer.fence_loads(_weak_call(self._before_update))  # [Note: one fence]
@@ -495,6 +499,8 @@ class Engine:
         self._check_open("engine(...)")
         if self._unset:
             self._refuse_unset()
+        if self._torn:
+            self._refuse_torn("engine(...)")
         self._runtime.pre_forward()
         cast = self.dtype if self.config.cast_forward_inputs else None
         args, kwargs = adapt.cast_inputs(args, kwargs, cast)
@@ -520,6 +526,34 @@ class Engine:
 
     def _mark_set(self, names: Any) -> None:
         self._unset.difference_update(names)
+        self._torn.difference_update(names)
+
+    def _mark_torn(self, names: Any, source: str) -> None:
+        """[Note: torn weights]
+        ``load_pretrained`` reads straight into the masters, a piece at a time, so that its
+        extra memory stays one read piece whatever the model's size. A read that fails
+        after others went through (an I/O error, an object store that stops answering
+        after the retries, a file changed under the load) leaves those tensors part file,
+        part what they were, on every rank that had read some of its part. Staging the
+        whole model to undo that would cost the memory the call promises not to use, so
+        the engine remembers the names instead: training on them, saving them and handing
+        them back from ``close()`` are refused, naming the call that failed, until a
+        ``load_pretrained`` or a ``load`` writes them. Every rank records the same names
+        (its plan lists every matched tensor, whatever share it holds), so every rank
+        refuses the same calls. Inspection (``full_state_dict()``, ``gathered()``) still
+        works."""
+        self._torn.update(names)
+        self._torn_source = source
+
+    def _refuse_torn(self, what: str) -> None:
+        names = sorted(self._torn)
+        shown = ", ".join(names[:8]) + (f" ... (+{len(names) - 8} more)" if len(names) > 8 else "")
+        raise EngineUsageError(
+            f"{what} refused: load_pretrained({self._torn_source!r}) failed while reading "
+            f"and left {len(names)} tensor(s) partly written, neither the model's values "
+            f"nor the file's: {shown}. Call engine.load_pretrained(...) again, or "
+            "engine.load(...), to set them"
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss (its mean over the local batch)."""
@@ -778,14 +812,20 @@ class Engine:
         the optimizer state, step count and loss scale back exactly."""
         scaler = self._scaler.state_dict()
         micro = self._micro_step
+        torn = set(self._torn)
         undo_optimizer, fresh = self._optimizer.apply_load(plan.optimizer, plan.step, read)
         self._scaler.load_state_dict(plan.loss_scaler)
         self._micro_step = 0
+        # The step's weights and buffers replace torn ones ([Note: torn weights]).
+        self._torn.difference_update(
+            n.split("/", 1)[1] for n in read if n.startswith(("model/", "buffers/"))
+        )
 
         def undo() -> None:
             undo_optimizer()
             self._scaler.load_state_dict(scaler)
             self._micro_step = micro
+            self._torn = torn
 
         return AppliedLoad(undo, frozenset(id(t) for t in fresh))
 
@@ -846,6 +886,9 @@ class Engine:
         engine loaded from (or saved to) it: it is another run's; ``allow_older_step=True``
         saves there anyway.
         """
+
+        if self._torn:
+            self._refuse_torn("save()")
 
         def save() -> Any:
             return self._ckpt().save(
@@ -930,6 +973,7 @@ class Engine:
             strict=strict,
             settle=self._settle_saves,
             loaded=self._mark_set,
+            torn=self._mark_torn,
         )
 
     def _settle_saves(self) -> None:
@@ -953,6 +997,8 @@ class Engine:
         and ``load_pretrained`` are refused afterwards; ``full_state_dict()`` still works.
         """
         ending = whole_model and not self._closed
+        if ending and self._torn:
+            self._refuse_torn("close()")  # close(whole_model=False) still ends an error path
         if ending:
             if self._runtime.policy.shard_params:
                 self._arrive("close")

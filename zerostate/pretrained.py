@@ -128,6 +128,7 @@ def load_pretrained(
     *,
     settle: Callable[[], None] = lambda: None,
     loaded: Callable[[Collection[str]], None] = lambda names: None,
+    torn: Callable[[Collection[str], str], None] = lambda names, source: None,
 ) -> PretrainedReport:
     """Load Hugging Face safetensors weights into ``engine``; collective. See the module
     docstring. ``strict=False`` loads what matches and returns (and logs) the rest.
@@ -135,7 +136,8 @@ def load_pretrained(
     ``settle`` is called first, inside the first agreement: it waits for the engine's
     async save in flight and its snapshot (an async save may still be reading the masters)
     and re-raises the save's error. ``loaded`` is told the names of the parameters and
-    buffers that were written."""
+    buffers that were written; ``torn`` the names that a read failing part-way may have
+    partly written, and the source ([Note: torn weights] in zerostate.engine)."""
     error: BaseException | None = None
     targets: list[_Target] = []
     report = PretrainedReport([], [], [])
@@ -163,7 +165,12 @@ def load_pretrained(
                 source.read_elements(t.entry, t.start, t.start + t.out.numel(), t.out)
     except (ZerostateError, OSError, ValueError) as exc:
         error = exc
-    _agree(engine, error, "reading tensor data")
+    try:
+        _agree(engine, error, "reading tensor data")
+    except BaseException:
+        # Every rank: any rank may have written part of its share ([Note: torn weights]).
+        torn([t.name for t in targets], os.fspath(path_or_url))
+        raise
     engine.refresh_from_masters()
     loaded([t.name for t in targets])
     if engine.rank == 0 and (report.missing or report.unexpected or report.mismatched):
