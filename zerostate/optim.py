@@ -145,8 +145,10 @@ def _muon_state(group: dict, p: torch.Tensor) -> dict:
 
 # Supported classes and the state torch would create at their first step, created here at
 # construction instead (same values), so memory is allocated up front as the ZeRO
-# accounting expects. None: torch's own lazy initialisation is kept (SGD's momentum buffer
-# starts as a copy of the first gradient; Adagrad initialises in its constructor).
+# accounting expects. Every per-element tensor they make must be zero: the engine
+# registers it as such ([Note: known zero moments]). None: torch's own lazy initialisation
+# is kept (SGD's momentum buffer starts as a copy of the first gradient; Adagrad
+# initialises in its constructor).
 _INITIAL_STATE: dict[type, Callable[[dict, torch.Tensor], dict] | None] = {
     torch.optim.AdamW: _adam_state,
     torch.optim.Adam: _adam_state,

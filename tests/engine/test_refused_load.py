@@ -314,3 +314,21 @@ def test_moments_the_engine_made_are_read_in_place_until_written(tmp_path, stage
     for rank, result in enumerate(results):
         for what, ok in result.items():
             assert ok, (rank, what, result)
+
+
+def test_every_state_tensor_the_engine_makes_at_construction_is_zero() -> None:
+    # [Note: known zero moments]: the engine registers the per-element state it creates as
+    # zero, so a failed load zeroes it again; a state created otherwise would be lost.
+    from zerostate import optim
+
+    shard = torch.empty(7)
+    options = [{}, {"amsgrad": True}, {"momentum": 0.9, "centered": True}]
+    made = {cls: init for cls, init in optim._INITIAL_STATE.items() if init is not None}
+    checked = set()
+    for cls, init in made.items():
+        for group in options:
+            for key, value in init(group, shard).items():
+                if torch.is_tensor(value) and value.shape == shard.shape:
+                    assert value.view(torch.uint8).eq(0).all(), (cls.__name__, key)
+                    checked.add(cls)
+    assert checked == set(made) and len(made) >= 7, sorted(c.__name__ for c in made)
