@@ -82,6 +82,12 @@ __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 _ADAMW_FIELDS = ("lr", "betas", "eps", "weight_decay", "no_decay")
 
 
+def _first_names(names: list[str], limit: int = 8) -> str:
+    """``names`` for an error message: the first ``limit``, then how many more."""
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
 class EngineUsageError(ZerostateError, RuntimeError):
     """The engine's methods were called in an order it cannot honour."""
 
@@ -517,7 +523,7 @@ class Engine:
 
     def _refuse_unset(self) -> None:
         names = sorted(self._unset)
-        shown = ", ".join(names[:8]) + (f" ... (+{len(names) - 8} more)" if len(names) > 8 else "")
+        shown = _first_names(names)
         raise EngineUsageError(
             f"{len(names)} tensor(s) of this meta-device model have no initialiser and were "
             f"never loaded: {shown}. Call engine.load_pretrained(...) or engine.load(...) "
@@ -547,7 +553,7 @@ class Engine:
 
     def _refuse_torn(self, what: str) -> None:
         names = sorted(self._torn)
-        shown = ", ".join(names[:8]) + (f" ... (+{len(names) - 8} more)" if len(names) > 8 else "")
+        shown = _first_names(names)
         raise EngineUsageError(
             f"{what} refused: load_pretrained({self._torn_source!r}) failed while reading "
             f"and left {len(names)} tensor(s) partly written, neither the model's values "

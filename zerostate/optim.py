@@ -405,15 +405,19 @@ class ShardedOptimizer:
                         for value in opt.state[shard].values():
                             if isinstance(value, torch.Tensor) and value.shape == shard.shape:
                                 self._known_zero.add(value)
-        for opt in self.inner:  # torch's load_state_dict replaces the state tensors
-            opt.register_load_state_dict_pre_hook(lambda o, sd: self._known_zero.clear())
 
     def fence_loads(self, fence: Callable[[], None]) -> None:
         """Call ``fence`` before any ``load_state_dict`` of these torch optimizers writes
         optimizer state: the engine's ``optimizer`` and the inner ones a user's linked
-        optimizer delegates to ([Note: one fence] in zerostate.engine)."""
+        optimizer delegates to ([Note: one fence] in zerostate.engine). The state it
+        installs is no longer the zero state the engine made ([Note: known zero moments])."""
+
+        def before(optimizer: Optimizer, state_dict: dict) -> None:
+            self._known_zero.clear()
+            fence()
+
         for opt in {id(o): o for o in (self.optimizer, *self.inner)}.values():
-            opt.register_load_state_dict_pre_hook(lambda optimizer, state_dict: fence())
+            opt.register_load_state_dict_pre_hook(before)
 
     def _state_of(self, sp: ShardedParam) -> dict:
         for opt in self.inner:
