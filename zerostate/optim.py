@@ -300,6 +300,14 @@ class CombinedOptimizer(Optimizer):
         # defaults there, or it would add one class's keys to the other's groups.
         super().__init__([g for opt in optimizers for g in opt.param_groups], {})
         self.defaults = defaults  # what schedulers inspect (OneCycleLR: betas or momentum)
+        # torch's load_state_dict gives an optimizer new group dicts; point at them again
+        # (in place: a scheduler reads the list each time), or a scheduler on this object
+        # would go on setting dicts no optimizer steps with.
+        for opt in optimizers:
+            opt.register_load_state_dict_post_hook(self._regroup)
+
+    def _regroup(self, _optimizer: Optimizer) -> None:
+        self.param_groups[:] = [g for opt in self.optimizers for g in opt.param_groups]
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:  # type: ignore[override]
@@ -307,6 +315,67 @@ class CombinedOptimizer(Optimizer):
             raise ConfigError("the engine's optimizer step takes no closure")
         for opt in self.optimizers:
             opt.step()
+
+    def state_dict(self) -> dict:
+        """The inner optimizers' state dicts as one, in torch's layout: their groups in
+        order, the parameters numbered across all of them, as one torch optimizer over the
+        same groups numbers them. The state lives in the inner optimizers; torch's own
+        ``state_dict`` would read this object's ``state``, which stays empty, and return no
+        state at all. At stages 1-3 it is this rank's shards, as for a single optimizer
+        (``engine.save`` writes every rank's)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state: dict[int, Any] = {}
+        groups: list[dict] = []
+        base = 0
+        for opt in self.optimizers:
+            inner = opt.state_dict()
+            ids = [i for g in inner["param_groups"] for i in g["params"]]
+            number = {i: base + k for k, i in enumerate(ids)}
+            state.update({number[i]: v for i, v in inner["state"].items()})
+            groups.extend(
+                {**g, "params": [number[i] for i in g["params"]]} for g in inner["param_groups"]
+            )
+            base += len(ids)
+        out = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            hooked = post_hook(self, out)
+            out = out if hooked is None else hooked
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`'s layout back into the inner optimizers, each its own
+        groups. Every group is checked against its optimizer's before any is loaded, so a
+        dict that does not fit changes nothing. torch's hooks on this object run as torch
+        runs them."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            hooked = pre_hook(self, state_dict)
+            state_dict = state_dict if hooked is None else hooked
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        state = state_dict.get("state", {}) if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            raise ValueError("an optimizer state dict holds 'state' and 'param_groups'")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(groups)} parameter groups; the engine's "
+                f"optimizers have {len(self.param_groups)}"
+            )
+        for k, (saved, own) in enumerate(zip(groups, self.param_groups, strict=True)):
+            if not isinstance(saved, dict) or len(saved.get("params", ())) != len(own["params"]):
+                raise ValueError(
+                    f"loaded state dict's parameter group {k} does not match the size of the "
+                    f"optimizer's group ({len(own['params'])} parameters)"
+                )
+        at = 0
+        for opt in self.optimizers:
+            mine = groups[at : at + len(opt.param_groups)]
+            at += len(opt.param_groups)
+            ids = [i for g in mine for i in g["params"]]
+            opt.load_state_dict(
+                {"state": {i: state[i] for i in ids if i in state}, "param_groups": mine}
+            )
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 @dataclass(frozen=True, slots=True)
