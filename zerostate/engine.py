@@ -221,6 +221,19 @@ def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
+def _state_owner(stage: int, tp_group: Any) -> tuple[int, int] | None:
+    """Whose optimizer state a rank's ``state_dict()`` is ([Note: whose optimizer state
+    dict] in zerostate.optim): this process's (global rank, world size), or None where
+    every rank holds the same state (stage 0 without tensor parallelism)."""
+    if stage == 0 and tp_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return (0, 1)
+    return (dist.get_rank(), dist.get_world_size())
+
+
 class Engine:
     """ZeRO stage 0-3 data-parallel training of ``model`` with a partitioned optimizer.
 
@@ -387,6 +400,7 @@ class Engine:
         self._optimizer = self._build_optimizer()
         link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
         self._optimizer.fence_loads(_weak_call(self._before_update))  # [Note: one fence]
+        self._optimizer.guard_state_dicts(_state_owner(config.stage, self._tp))
         _mark_wrapped(model, self)
         #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.activation).
         self._activation = None

@@ -488,6 +488,110 @@ class ShardedOptimizer:
         for opt in {id(o): o for o in (self.optimizer, *self.inner)}.values():
             opt.register_load_state_dict_pre_hook(before)
 
+    def guard_state_dicts(self, owner: tuple[int, int] | None) -> None:
+        """Tag every ``state_dict()`` of these torch optimizers with whose state it is, and
+        refuse a ``load_state_dict`` of another rank's.
+
+        [Note: whose optimizer state dict]
+        ``state_dict()`` of the engine's optimizer (or of a user's linked one) is this
+        rank's state: at stages 1-3, or under tensor parallelism, the shards this rank
+        owns. The DDP habit (rank 0 saves ``optimizer.state_dict()``, every rank loads that
+        file) then gives every other rank rank 0's moments for its own shards, and torch
+        checks no shapes: on 2 ranks at stage 2 rank 1's moments became rank 0's without a
+        word. So each dict carries the rank and world size that wrote it (``owner``; None
+        when every rank holds the same state: stage 0 without tensor parallelism) and the
+        flat range of every parameter its state covers, and a load checks them before
+        anything changes: another rank's dict, or ranges or state shapes that are not this
+        rank's (another stage, world size or model), are refused, naming ``engine.save`` /
+        ``engine.load``. A dict without the tag (a plain torch optimizer's) is checked by
+        its state tensors' shapes alone; where this rank's master is a whole parameter
+        (stage 0, or one rank), a plain dict's state in the parameter's shape is taken,
+        flattened as the master is."""
+        by_master = {id(sp.master): sp for sp in self.trainable}
+
+        def members(optimizer: Optimizer) -> list[ShardedParam]:
+            return [by_master[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+        def ranges(sp: ShardedParam) -> list[int]:
+            return [sp.master_start, sp.master.numel(), sp.numel]
+
+        def tag(optimizer: Optimizer, state_dict: dict) -> None:
+            ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+            state_dict[_STATE_TAG] = {
+                "rank": None if owner is None else owner[0],
+                "world_size": None if owner is None else owner[1],
+                "ranges": {i: ranges(sp) for i, sp in zip(ids, members(optimizer), strict=True)},
+            }
+
+        def refuse(why: str) -> None:
+            raise ConfigError(
+                f"optimizer.load_state_dict: {why}. optimizer.state_dict() holds only this "
+                "rank's part of the optimizer state, so one rank's dict cannot resume another "
+                "rank, another world size or another stage; save with engine.save(root) and "
+                "resume with engine.load(root) (any world size)"
+            )
+
+        def check(optimizer: Optimizer, state_dict: Any) -> dict | None:
+            try:
+                groups, state = state_dict["param_groups"], state_dict.get("state", {})
+                ids = [i for g in groups for i in g["params"]]
+            except (TypeError, KeyError, AttributeError):
+                return None  # torch's own checks name what is malformed
+            own = members(optimizer)
+            if len(ids) != len(own) or not isinstance(state, dict):
+                return None
+            saved = state_dict.get(_STATE_TAG)
+            if isinstance(saved, dict):
+                who = (saved.get("rank"), saved.get("world_size"))
+                if owner is not None and who != owner:
+                    whose = (
+                        "every rank's (replicated)"
+                        if who == (None, None)
+                        else f"rank {who[0]} of {who[1]}'s"
+                    )
+                    refuse(
+                        f"the dict holds {whose} optimizer state; this is rank {owner[0]} of "
+                        f"{owner[1]}, which holds its own shards"
+                    )
+                spans = saved.get("ranges")
+                for i, sp in zip(ids, own, strict=True):
+                    got = spans.get(i) if isinstance(spans, dict) else None
+                    if got is not None and list(got) != ranges(sp):
+                        a, n, full = ranges(sp)
+                        refuse(
+                            f"{sp.name}: the dict's state covers elements {got[0]}-"
+                            f"{got[0] + got[1]} of {got[2]}; this rank's covers {a}-{a + n} "
+                            f"of {full}"
+                        )
+            flat: dict = {}
+            for i, sp in zip(ids, own, strict=True):
+                live = self._state_of(sp)
+                for key, value in (state.get(i) or {}).items():
+                    have = live.get(key)
+                    if (
+                        not isinstance(value, torch.Tensor)
+                        or not isinstance(have, torch.Tensor)
+                        or not value.dim()
+                        or value.shape == have.shape
+                    ):
+                        continue
+                    if value.numel() == have.numel() == sp.numel and ranges(sp)[0] == 0:
+                        # A whole parameter's state in its own shape (a plain torch
+                        # optimizer's) for a master that is the whole parameter, flat.
+                        flat.setdefault(i, dict(state[i]))[key] = value.reshape(have.shape)
+                        continue
+                    refuse(
+                        f"{sp.name}: the dict's {key!r} has shape {list(value.shape)}; "
+                        f"this rank's is {list(have.shape)}"
+                    )
+            if flat:
+                return {**state_dict, "state": {**state, **flat}}
+            return None
+
+        for opt in {id(o): o for o in (self.optimizer, *self.inner)}.values():
+            opt.register_state_dict_post_hook(tag)
+            opt.register_load_state_dict_pre_hook(check, prepend=True)
+
     def _state_of(self, sp: ShardedParam) -> dict:
         for opt in self.inner:
             if sp.master in opt.state:
@@ -795,6 +899,9 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 _LINKED: dict[type, type] = {}
 _ENGINE_REF = "_zerostate_engine_ref"
 _INNER = "_zerostate_inner"
+#: The key of an optimizer state dict that says whose state it holds ([Note: whose
+#: optimizer state dict]).
+_STATE_TAG = "zerostate_shards"
 
 
 def _engine_of(opt: Any) -> Any:
