@@ -197,6 +197,92 @@ class _GradReadyHook:
             engine._on_grad_ready(self._index)
 
 
+class _ModuleLoadHook:
+    """``load_state_dict`` pre-hook of one module that owns engine parameters; reaches its
+    engine weakly (the module outlives a closed engine).
+
+    [Note: model.load_state_dict after wrapping]
+    ``model.load_state_dict(sd)`` after the engine is built (restoring weights the way a DDP
+    script does) writes into the module's parameters, and the engine's own copies did not
+    follow. At stages 0-2 with fp32 working parameters the masters are views of them and
+    took the values, but in bf16 (or with the masters offloaded) the fp32 masters kept the
+    old weights, and the next step wrote those back over the load: on 2 ranks every weight
+    was the initial one again after one step at lr 0, with no error. At stage 3 the
+    parameters hold no storage outside a gather, and torch's copy into them crashed the
+    process (SIGSEGV). So before torch copies a module's parameters this hook:
+    * at stage 3 outside a gather, refuses, naming the calls that work, before anything
+      is written;
+    * passes the fence of every writer ([Note: one fence]): an async save may be reading;
+    * writes this rank's fp32 master range (where it is not a view of the parameter) and
+      its working-dtype shard (stage 3) from the dict's tensor itself, in full precision,
+      so the load lands whether or not a ``gathered()`` block writes back;
+    * counts the names as set ([Note: unset state], [Note: torn weights]).
+    Tensors of another shape are left to torch, which reports them. As with DDP, every
+    rank must load: each writes its own ranges from its own copy of the dict."""
+
+    __slots__ = ("_engine", "_owned")
+
+    def __init__(self, engine: Engine, owned: dict[str, ShardedParam]) -> None:
+        self._engine = weakref.ref(engine)
+        self._owned = owned  # the module's own parameter name -> its ShardedParam
+
+    def __call__(self, module: nn.Module, state_dict: Mapping, prefix: str, *_: Any) -> None:
+        engine = self._engine()
+        if engine is None or engine._closed:
+            return
+        incoming = []
+        for name, sp in self._owned.items():
+            src = state_dict.get(prefix + name)
+            if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(sp.shape):
+                incoming.append((name, sp, src))
+        if not incoming:
+            return
+        hollow = [
+            prefix + name
+            for name, _, _ in incoming
+            if (p := module._parameters.get(name)) is not None
+            and p.numel()
+            and not tp.local_tensor(p).untyped_storage().nbytes()
+        ]
+        if hollow:
+            raise ConfigError(
+                f"load_state_dict() at stage 3: {hollow[0]} (and every parameter outside a "
+                "gather) is partitioned across the ranks and holds no storage here, so torch "
+                "cannot copy into it. Load inside `with engine.gathered():` on every rank "
+                "(the values land in this rank's shards and fp32 masters), or use "
+                "engine.load_pretrained(path) for a safetensors file or Hugging Face "
+                "directory, or engine.load(root) for a zerostate checkpoint"
+            )
+        engine._before_update()
+        with torch.no_grad():
+            for _, sp, src in incoming:
+                flat = src.detach().reshape(-1)
+                shard = sp.shard
+                if shard is not None and engine._runtime.policy.shard_params:
+                    shard.copy_(flat[sp.start : sp.stop].view(shard.shape))
+                if sp.master is not None and not sp.master_aliased:
+                    lo = sp.master_start
+                    sp.master.copy_(flat[lo : lo + sp.master.numel()].view(sp.master.shape))
+        engine._mark_set({sp.name for _, sp, _ in incoming})
+
+
+def _watch_module_loads(engine: Engine) -> list[Any]:
+    """A :class:`_ModuleLoadHook` on every module that owns engine parameters."""
+    by_param = {id(tp.model_param(sp.param)): sp for sp in engine._params}
+    handles = []
+    for module in engine.module.modules():
+        owned = {
+            name: by_param[id(p)]
+            for name, p in module._parameters.items()
+            if p is not None and id(p) in by_param
+        }
+        if owned:
+            handles.append(
+                module.register_load_state_dict_pre_hook(_ModuleLoadHook(engine, owned))
+            )
+    return handles
+
+
 def _reduced_hook(ref: weakref.ref) -> Any:
     """The runtime's ``on_reduced`` for an offloading engine, holding it weakly (as
     :class:`_GradReadyHook` does)."""
@@ -425,6 +511,7 @@ class Engine:
             sp.param.register_post_accumulate_grad_hook(_GradReadyHook(self, i))
             for i, sp in enumerate(self._trainable)
         ]
+        self._load_hooks = _watch_module_loads(self)  # [Note: model.load_state_dict after wrapping]
 
     # -- construction helpers -------------------------------------------------------------
     def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
@@ -1023,9 +1110,9 @@ class Engine:
             if self._runtime.policy.shard_params:
                 self._arrive("close")
             self._runtime.detach()
-            for handle in self._grad_hooks:
+            for handle in (*self._grad_hooks, *self._load_hooks):
                 handle.remove()
-            self._grad_hooks = []
+            self._grad_hooks, self._load_hooks = [], []
             if self._activation is not None:
                 self._activation.remove()
             self.module.__dict__.pop(_WRAPPED_BY, None)  # a new Engine may wrap it now
