@@ -210,6 +210,9 @@ class _ModuleLoadHook:
     was the initial one again after one step at lr 0, with no error. At stage 3 the
     parameters hold no storage outside a gather, and torch's copy into them crashed the
     process (SIGSEGV). So before torch copies a module's parameters this hook:
+    * refuses ``assign=True``, which swaps in the dict's tensors as new parameters: the
+      engine's hooks and storage stay with the old ones, and the forward output stopped
+      changing from step to step (stages 0 and 2, 2 ranks);
     * at stage 3 outside a gather, refuses, naming the calls that work, before anything
       is written;
     * passes the fence of every writer ([Note: one fence]): an async save may be reading;
@@ -226,10 +229,18 @@ class _ModuleLoadHook:
         self._engine = weakref.ref(engine)
         self._owned = owned  # the module's own parameter name -> its ShardedParam
 
-    def __call__(self, module: nn.Module, state_dict: Mapping, prefix: str, *_: Any) -> None:
+    def __call__(
+        self, module: nn.Module, state_dict: Mapping, prefix: str, metadata: Any, *_: Any
+    ) -> None:
         engine = self._engine()
         if engine is None or engine._closed:
             return
+        if isinstance(metadata, Mapping) and metadata.get("assign_to_params_buffers"):
+            raise ConfigError(
+                "load_state_dict(assign=True) would put the dict's tensors in place of the "
+                "parameters the engine trains, and training would go on without them; load "
+                "without assign=True (the values are copied into the engine's storage)"
+            )
         incoming = []
         for name, sp in self._owned.items():
             src = state_dict.get(prefix + name)
@@ -277,9 +288,7 @@ def _watch_module_loads(engine: Engine) -> list[Any]:
             if p is not None and id(p) in by_param
         }
         if owned:
-            handles.append(
-                module.register_load_state_dict_pre_hook(_ModuleLoadHook(engine, owned))
-            )
+            handles.append(module.register_load_state_dict_pre_hook(_ModuleLoadHook(engine, owned)))
     return handles
 
 

@@ -66,6 +66,12 @@ def _worker(rank: int, world: int, stage: int, precision: str) -> dict:
     else:
         model.load_state_dict(part, strict=False)
     out["partial"] = _exact(engine, {**target, **part})
+    try:  # assign=True would swap in new parameters the engine does not train
+        model.load_state_dict(target, assign=True)
+        out["assign"] = None
+    except ConfigError as exc:
+        out["assign"] = str(exc)
+    out["assign_unchanged"] = _exact(engine, {**target, **part})
     engine.close()
     # After close() the module is plain torch again.
     model.load_state_dict(target)
@@ -85,4 +91,5 @@ def test_module_load_state_dict_after_wrapping_lands_in_the_masters(stage, preci
         assert r["masters_are_target"], r
         assert r["after_step"], r
         assert r["partial"], r
+        assert "assign=True" in r["assign"] and r["assign_unchanged"], r
         assert r["after_close"], r
