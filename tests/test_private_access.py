@@ -26,6 +26,7 @@ ALLOWED = {
     # a dropped engine can be collected) and call back into it.
     ("zerostate/engine.py", "engine._on_grad_ready"),
     ("zerostate/engine.py", "engine._on_reduced"),
+    ("zerostate/engine.py", "engine._on_module_load"),
     # torch.compile's wrapper keeps the compiled model there and names it nowhere else.
     ("zerostate/checkpoint/state.py", "getattr(module, '_orig_mod', module)"),
 }

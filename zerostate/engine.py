@@ -199,29 +199,8 @@ class _GradReadyHook:
 
 class _ModuleLoadHook:
     """``load_state_dict`` pre-hook of one module that owns engine parameters; reaches its
-    engine weakly (the module outlives a closed engine).
-
-    [Note: model.load_state_dict after wrapping]
-    ``model.load_state_dict(sd)`` after the engine is built (restoring weights the way a DDP
-    script does) writes into the module's parameters, and the engine's own copies did not
-    follow. At stages 0-2 with fp32 working parameters the masters are views of them and
-    took the values, but in bf16 (or with the masters offloaded) the fp32 masters kept the
-    old weights, and the next step wrote those back over the load: on 2 ranks every weight
-    was the initial one again after one step at lr 0, with no error. At stage 3 the
-    parameters hold no storage outside a gather, and torch's copy into them crashed the
-    process (SIGSEGV). So before torch copies a module's parameters this hook:
-    * refuses ``assign=True``, which swaps in the dict's tensors as new parameters: the
-      engine's hooks and storage stay with the old ones, and the forward output stopped
-      changing from step to step (stages 0 and 2, 2 ranks);
-    * at stage 3 outside a gather, refuses, naming the calls that work, before anything
-      is written;
-    * passes the fence of every writer ([Note: one fence]): an async save may be reading;
-    * writes this rank's fp32 master range (where it is not a view of the parameter) and
-      its working-dtype shard (stage 3) from the dict's tensor itself, in full precision,
-      so the load lands whether or not a ``gathered()`` block writes back;
-    * counts the names as set ([Note: unset state], [Note: torn weights]).
-    Tensors of another shape are left to torch, which reports them. As with DDP, every
-    rank must load: each writes its own ranges from its own copy of the dict."""
+    engine weakly (the module outlives a closed engine) and hands the load to
+    :meth:`Engine._on_module_load` ([Note: model.load_state_dict after wrapping])."""
 
     __slots__ = ("_engine", "_owned")
 
@@ -233,63 +212,8 @@ class _ModuleLoadHook:
         self, module: nn.Module, state_dict: Mapping, prefix: str, metadata: Any, *_: Any
     ) -> None:
         engine = self._engine()
-        if engine is None or engine._closed:
-            return
-        if isinstance(metadata, Mapping) and metadata.get("assign_to_params_buffers"):
-            raise ConfigError(
-                "load_state_dict(assign=True) would put the dict's tensors in place of the "
-                "parameters the engine trains, and training would go on without them; load "
-                "without assign=True (the values are copied into the engine's storage)"
-            )
-        incoming = []
-        for name, sp in self._owned.items():
-            src = state_dict.get(prefix + name)
-            if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(sp.shape):
-                incoming.append((name, sp, src))
-        if not incoming:
-            return
-        hollow = [
-            prefix + name
-            for name, _, _ in incoming
-            if (p := module._parameters.get(name)) is not None
-            and p.numel()
-            and not tp.local_tensor(p).untyped_storage().nbytes()
-        ]
-        if hollow:
-            raise ConfigError(
-                f"load_state_dict() at stage 3: {hollow[0]} (and every parameter outside a "
-                "gather) is partitioned across the ranks and holds no storage here, so torch "
-                "cannot copy into it. Load inside `with engine.gathered():` on every rank "
-                "(the values land in this rank's shards and fp32 masters), or use "
-                "engine.load_pretrained(path) for a safetensors file or Hugging Face "
-                "directory, or engine.load(root) for a zerostate checkpoint"
-            )
-        engine._before_update()
-        with torch.no_grad():
-            for _, sp, src in incoming:
-                flat = src.detach().reshape(-1)
-                shard = sp.shard
-                if shard is not None and engine._runtime.policy.shard_params:
-                    shard.copy_(flat[sp.start : sp.stop].view(shard.shape))
-                if sp.master is not None and not sp.master_aliased:
-                    lo = sp.master_start
-                    sp.master.copy_(flat[lo : lo + sp.master.numel()].view(sp.master.shape))
-        engine._mark_set({sp.name for _, sp, _ in incoming})
-
-
-def _watch_module_loads(engine: Engine) -> list[Any]:
-    """A :class:`_ModuleLoadHook` on every module that owns engine parameters."""
-    by_param = {id(tp.model_param(sp.param)): sp for sp in engine._params}
-    handles = []
-    for module in engine.module.modules():
-        owned = {
-            name: by_param[id(p)]
-            for name, p in module._parameters.items()
-            if p is not None and id(p) in by_param
-        }
-        if owned:
-            handles.append(module.register_load_state_dict_pre_hook(_ModuleLoadHook(engine, owned)))
-    return handles
+        if engine is not None:
+            engine._on_module_load(module, self._owned, state_dict, prefix, metadata)
 
 
 def _reduced_hook(ref: weakref.ref) -> Any:
@@ -314,19 +238,6 @@ def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
             bound()
 
     return call
-
-
-def _state_owner(stage: int, tp_group: Any) -> tuple[int, int] | None:
-    """Whose optimizer state a rank's ``state_dict()`` is ([Note: whose optimizer state
-    dict] in zerostate.optim): this process's (global rank, world size), or None where
-    every rank holds the same state (stage 0 without tensor parallelism)."""
-    if stage == 0 and tp_group is None:
-        return None
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return (0, 1)
-    return (dist.get_rank(), dist.get_world_size())
 
 
 class Engine:
@@ -495,7 +406,10 @@ class Engine:
         self._optimizer = self._build_optimizer()
         link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
         self._optimizer.fence_loads(_weak_call(self._before_update))  # [Note: one fence]
-        self._optimizer.guard_state_dicts(_state_owner(config.stage, self._tp))
+        # [Note: whose optimizer state dict]: None where every rank holds the same state.
+        replicated = not self._runtime.policy.shard_optimizer and self._tp is None
+        owner = collectives.group_info(None) if collectives.is_initialized() else (0, 1)
+        self._optimizer.guard_state_dicts(None if replicated else owner)
         _mark_wrapped(model, self)
         #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.activation).
         self._activation = None
@@ -520,7 +434,8 @@ class Engine:
             sp.param.register_post_accumulate_grad_hook(_GradReadyHook(self, i))
             for i, sp in enumerate(self._trainable)
         ]
-        self._load_hooks = _watch_module_loads(self)  # [Note: model.load_state_dict after wrapping]
+        # [Note: model.load_state_dict after wrapping]
+        self._load_hooks = self._watch_module_loads()
 
     # -- construction helpers -------------------------------------------------------------
     def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
@@ -749,6 +664,95 @@ class Engine:
             self._tp.stats.end_step()
         self._progress.after_step(self)
         return not overflow
+
+    def _watch_module_loads(self) -> list[Any]:
+        """A :class:`_ModuleLoadHook` on every module that owns engine parameters."""
+        by_param = {id(tp.model_param(sp.param)): sp for sp in self._params}
+        handles = []
+        for module in self.module.modules():
+            owned = {
+                name: by_param[id(p)]
+                for name, p in module.named_parameters(recurse=False)
+                if id(p) in by_param
+            }
+            if owned:
+                handles.append(
+                    module.register_load_state_dict_pre_hook(_ModuleLoadHook(self, owned))
+                )
+        return handles
+
+    def _on_module_load(
+        self,
+        module: nn.Module,
+        owned: dict[str, ShardedParam],
+        state_dict: Mapping,
+        prefix: str,
+        metadata: Any,
+    ) -> None:
+        """Before torch copies ``state_dict`` into ``module``'s own parameters.
+
+        [Note: model.load_state_dict after wrapping]
+        ``model.load_state_dict(sd)`` after the engine is built (restoring weights the way a DDP
+        script does) writes into the module's parameters, and the engine's own copies did not
+        follow. At stages 0-2 with fp32 working parameters the masters are views of them and
+        took the values, but in bf16 (or with the masters offloaded) the fp32 masters kept the
+        old weights, and the next step wrote those back over the load: on 2 ranks every weight
+        was the initial one again after one step at lr 0, with no error. At stage 3 the
+        parameters hold no storage outside a gather, and torch's copy into them crashed the
+        process (SIGSEGV). So before torch copies a module's parameters this hook:
+        * refuses ``assign=True``, which swaps in the dict's tensors as new parameters: the
+          engine's hooks and storage stay with the old ones, and the forward output stopped
+          changing from step to step (stages 0 and 2, 2 ranks);
+        * at stage 3 outside a gather, refuses, naming the calls that work, before anything
+          is written;
+        * passes the fence of every writer ([Note: one fence]): an async save may be reading;
+        * writes this rank's fp32 master range (where it is not a view of the parameter) and
+          its working-dtype shard (stage 3) from the dict's tensor itself, in full precision,
+          so the load lands whether or not a ``gathered()`` block writes back;
+        * counts the names as set ([Note: unset state], [Note: torn weights]).
+        Tensors of another shape are left to torch, which reports them. As with DDP, every
+        rank must load: each writes its own ranges from its own copy of the dict."""
+        if self._closed:
+            return
+        if isinstance(metadata, Mapping) and metadata.get("assign_to_params_buffers"):
+            raise ConfigError(
+                "load_state_dict(assign=True) would put the dict's tensors in place of the "
+                "parameters the engine trains, and training would go on without them; load "
+                "without assign=True (the values are copied into the engine's storage)"
+            )
+        incoming = []
+        for name, sp in owned.items():
+            src = state_dict.get(prefix + name)
+            if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(sp.shape):
+                incoming.append((name, sp, src))
+        if not incoming:
+            return
+        params = dict(module.named_parameters(recurse=False))
+        hollow = [
+            prefix + name
+            for name, _, _ in incoming
+            if params[name].numel() and not tp.local_tensor(params[name]).untyped_storage().nbytes()
+        ]
+        if hollow:
+            raise ConfigError(
+                f"load_state_dict() at stage 3: {hollow[0]} (and every parameter outside a "
+                "gather) is partitioned across the ranks and holds no storage here, so torch "
+                "cannot copy into it. Load inside `with engine.gathered():` on every rank "
+                "(the values land in this rank's shards and fp32 masters), or use "
+                "engine.load_pretrained(path) for a safetensors file or Hugging Face "
+                "directory, or engine.load(root) for a zerostate checkpoint"
+            )
+        self._before_update()
+        with torch.no_grad():
+            for _, sp, src in incoming:
+                flat = src.detach().reshape(-1)
+                shard = sp.shard
+                if shard is not None and self._runtime.policy.shard_params:
+                    shard.copy_(flat[sp.start : sp.stop].view(shard.shape))
+                if sp.master is not None and not sp.master_aliased:
+                    lo = sp.master_start
+                    sp.master.copy_(flat[lo : lo + sp.master.numel()].view(sp.master.shape))
+        self._mark_set({sp.name for _, sp, _ in incoming})
 
     def _before_update(self) -> None:
         """The fence every writer of masters or optimizer state passes first: an async
