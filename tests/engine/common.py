@@ -106,6 +106,25 @@ def make_engine(model, **kwargs):
     return zerostate.Engine(model, **settings)
 
 
+def identical(a, b) -> bool:
+    """Nested dicts / lists / tensors (an optimizer state dict, say) equal bit for bit:
+    same keys, tensors of the same dtype, shape and values."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.float().norm().item()
     return (a.float() - b.float()).norm().item() / (denom if denom else 1.0)

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from common import identical
 from helpers_dist import run_distributed
 from torch import nn
 
@@ -44,16 +45,6 @@ def _inner_states(engine: zerostate.Engine) -> list[dict]:
     return [copy.deepcopy(opt.state_dict()) for opt in engine.optimizer.optimizers]
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 def _worker(rank: int, world: int, stage: int) -> dict:
     torch.set_num_threads(1)
     saver = _engine(stage, muon_lr=0.02)
@@ -76,7 +67,7 @@ def _worker(rank: int, world: int, stage: int) -> dict:
         ids = [i for g in s["param_groups"] for i in g["params"]]
         for k, i in enumerate(ids):
             if i in s["state"]:
-                found &= _same(s["state"][i], saved["state"].get(base + k))
+                found &= identical(s["state"][i], saved["state"].get(base + k))
         base += len(ids)
     out["inner_states_in_dict"] = found
 
@@ -90,11 +81,11 @@ def _worker(rank: int, world: int, stage: int) -> dict:
         out["refused"] = None
     except ValueError as exc:
         out["refused"] = str(exc)
-    out["unchanged_after_refusal"] = _same(before, _inner_states(loader))
+    out["unchanged_after_refusal"] = identical(before, _inner_states(loader))
 
     loader.optimizer.load_state_dict(copy.deepcopy(saved))
-    out["loaded_equals_saved"] = _same(_inner_states(loader), inner)
-    out["round_trip"] = _same(loader.optimizer.state_dict(), saved)
+    out["loaded_equals_saved"] = identical(_inner_states(loader), inner)
+    out["round_trip"] = identical(loader.optimizer.state_dict(), saved)
     out["muon_lr_loaded"] = loader.optimizer.param_groups[0]["lr"]
     # The loaded state steps: one more step from the same weights gives the same weights.
     twin = _engine(stage, muon_lr=0.02)

@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from common import identical
 from helpers_dist import run_distributed
 from torch import nn
 
@@ -42,23 +43,13 @@ def _state(opt: torch.optim.Optimizer) -> dict:
     return copy.deepcopy({"state": sd["state"], "param_groups": sd["param_groups"]})
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
-
 def _try_load(opt: torch.optim.Optimizer, sd: dict) -> str | None:
     """None when loaded, else the refusal; a refusal must leave the state as it was."""
     before = _state(opt)
     try:
         opt.load_state_dict(copy.deepcopy(sd))
     except ConfigError as exc:
-        assert _same(before, _state(opt)), "a refused load changed the optimizer state"
+        assert identical(before, _state(opt)), "a refused load changed the optimizer state"
         return str(exc)
     return None
 
@@ -74,10 +65,10 @@ def _worker(rank: int, world: int, stage: int, tmp: str) -> dict:
     _train(loader, rank, seed=2, steps=1)
     # The habit: every rank loads rank 0's file.
     out["rank0_file"] = _try_load(opt, torch.load(f"{tmp}/opt0.pt", weights_only=True))
-    out["rank0_file_equal"] = _same(_state(opt), _state(saver_opt))
+    out["rank0_file_equal"] = identical(_state(opt), _state(saver_opt))
     # Each rank its own file.
     out["own_file"] = _try_load(opt, torch.load(f"{tmp}/opt{rank}.pt", weights_only=True))
-    out["own_file_equal"] = _same(_state(opt), _state(saver_opt))
+    out["own_file_equal"] = identical(_state(opt), _state(saver_opt))
     # A plain torch AdamW's dict over the same model.
     model = _model()
     plain = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
