@@ -704,7 +704,8 @@ class Engine:
           engine's hooks and storage stay with the old ones, and the forward output stopped
           changing from step to step (stages 0 and 2, 2 ranks);
         * at stage 3 outside a gather, refuses, naming the calls that work, before anything
-          is written;
+          is written; inside ``gathered(rank0_only=True)`` too: rank 0 alone would write its
+          own shards, and every parameter came out part loaded, part not (2 ranks);
         * passes the fence of every writer ([Note: one fence]): an async save may be reading;
         * writes this rank's fp32 master range (where it is not a view of the parameter) and
           its working-dtype shard (stage 3) from the dict's tensor itself, in full precision,
@@ -741,6 +742,13 @@ class Engine:
                 "(the values land in this rank's shards and fp32 masters), or use "
                 "engine.load_pretrained(path) for a safetensors file or Hugging Face "
                 "directory, or engine.load(root) for a zerostate checkpoint"
+            )
+        if self._runtime.gathered_rank0_only:
+            raise ConfigError(
+                "load_state_dict() inside gathered(rank0_only=True): each rank writes only "
+                "its own shards, so the other ranks would keep the old values and every "
+                "parameter would be part loaded, part not; load inside `with "
+                "engine.gathered():` on every rank"
             )
         self._before_update()
         with torch.no_grad():

@@ -51,6 +51,14 @@ def _worker(rank: int, world: int, stage: int, precision: str) -> dict:
         except ConfigError as exc:
             out["outside"] = str(exc)
         out["outside_unchanged"] = _exact(engine, _model().state_dict())
+        try:  # rank 0 alone holds the weights here; it would write only its own shards
+            with engine.gathered(rank0_only=True):
+                if rank == 0:
+                    model.load_state_dict(target)
+            out["rank0_only"] = None
+        except ConfigError as exc:
+            out["rank0_only"] = str(exc)
+        out["rank0_only_unchanged"] = _exact(engine, _model().state_dict())
         with engine.gathered():
             model.load_state_dict(target)
     else:
@@ -84,10 +92,15 @@ def _worker(rank: int, world: int, stage: int, precision: str) -> dict:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_module_load_state_dict_after_wrapping_lands_in_the_masters(stage, precision):
-    for r in run_distributed(_worker, 2, stage, precision):
+    for rank, r in enumerate(run_distributed(_worker, 2, stage, precision)):
         if stage == 3:
             assert "engine.gathered()" in r["outside"], r
             assert r["outside_unchanged"], r
+            assert r["rank0_only_unchanged"], r
+            if rank == 0:
+                assert "inside gathered(rank0_only=True)" in r["rank0_only"], r
+            else:
+                assert r["rank0_only"] is None, r
         assert r["masters_are_target"], r
         assert r["after_step"], r
         assert r["partial"], r

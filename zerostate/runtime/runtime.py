@@ -145,6 +145,8 @@ class GroupRuntime:
         self._entered: list[int] = []
         self._in_forward = False
         self._gathered_depth = 0
+        #: Inside gathered(rank0_only=True): only rank 0 holds the full parameters.
+        self.gathered_rank0_only = False
         self._hooks: list[RemovableHandle] = []  # on the model; removed by detach()
         #: Every group gathered for good, the hooks gone ([Note: no hollow state dict]).
         self.detached = False
@@ -624,10 +626,12 @@ class GroupRuntime:
                 if rank0_only and self.ctx.rank != 0:
                     group.release()
         self._gathered_depth += 1
+        self.gathered_rank0_only = rank0_only and partitioned
         try:
             yield
         finally:
             self._gathered_depth -= 1
+            self.gathered_rank0_only = False
             if writeback:
                 if before_write is not None:
                     before_write()
