@@ -198,22 +198,28 @@ class _GradReadyHook:
 
 
 class _ModuleLoadHook:
-    """``load_state_dict`` pre-hook of one module that owns engine parameters; reaches its
-    engine weakly (the module outlives a closed engine) and hands the load to
+    """``load_state_dict`` pre-hook of one module with engine parameters in its subtree;
+    reaches its engine weakly (the module outlives a closed engine) and hands the load to
     :meth:`Engine._on_module_load` ([Note: model.load_state_dict after wrapping])."""
 
-    __slots__ = ("_engine", "_owned")
+    __slots__ = ("_engine", "_owned", "_tree")
 
-    def __init__(self, engine: Engine, owned: dict[str, ShardedParam]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        owned: dict[str, ShardedParam],
+        tree: list[tuple[str, nn.Parameter]],
+    ) -> None:
         self._engine = weakref.ref(engine)
         self._owned = owned  # the module's own parameter name -> its ShardedParam
+        self._tree = tree  # every engine parameter under the module, by relative name
 
     def __call__(
         self, module: nn.Module, state_dict: Mapping, prefix: str, metadata: Any, *_: Any
     ) -> None:
         engine = self._engine()
         if engine is not None:
-            engine._on_module_load(module, self._owned, state_dict, prefix, metadata)
+            engine._on_module_load(module, self._owned, self._tree, state_dict, prefix, metadata)
 
 
 def _reduced_hook(ref: weakref.ref) -> Any:
@@ -666,25 +672,31 @@ class Engine:
         return not overflow
 
     def _watch_module_loads(self) -> list[Any]:
-        """A :class:`_ModuleLoadHook` on every module that owns engine parameters."""
+        """A :class:`_ModuleLoadHook` on every module with engine parameters under it."""
         by_param = {id(tp.model_param(sp.param)): sp for sp in self._params}
         handles = []
         for module in self.module.modules():
+            tree = [
+                (name, p)
+                for name, p in module.named_parameters(remove_duplicate=False)
+                if id(p) in by_param
+            ]
+            if not tree:
+                continue
             owned = {
                 name: by_param[id(p)]
                 for name, p in module.named_parameters(recurse=False)
                 if id(p) in by_param
             }
-            if owned:
-                handles.append(
-                    module.register_load_state_dict_pre_hook(_ModuleLoadHook(self, owned))
-                )
+            hook = _ModuleLoadHook(self, owned, tree)
+            handles.append(module.register_load_state_dict_pre_hook(hook))
         return handles
 
     def _on_module_load(
         self,
         module: nn.Module,
         owned: dict[str, ShardedParam],
+        tree: list[tuple[str, nn.Parameter]],
         state_dict: Mapping,
         prefix: str,
         metadata: Any,
@@ -704,8 +716,11 @@ class Engine:
           engine's hooks and storage stay with the old ones, and the forward output stopped
           changing from step to step (stages 0 and 2, 2 ranks);
         * at stage 3 outside a gather, refuses, naming the calls that work, before anything
-          is written; inside ``gathered(rank0_only=True)`` too: rank 0 alone would write its
-          own shards, and every parameter came out part loaded, part not (2 ranks);
+          is written (the called module's hook, the first to run, checks every parameter
+          the call will write, so a ``gathered(modules=...)`` of a part refuses a load of
+          the whole before the gathered part is written); inside
+          ``gathered(rank0_only=True)`` too: rank 0 alone would write its own shards, and
+          every parameter came out part loaded, part not (2 ranks);
         * passes the fence of every writer ([Note: one fence]): an async save may be reading;
         * writes this rank's fp32 master range (where it is not a view of the parameter) and
           its working-dtype shard (stage 3) from the dict's tensor itself, in full precision,
@@ -721,18 +736,20 @@ class Engine:
                 "parameters the engine trains, and training would go on without them; load "
                 "without assign=True (the values are copied into the engine's storage)"
             )
-        incoming = []
-        for name, sp in owned.items():
-            src = state_dict.get(prefix + name)
-            if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(sp.shape):
-                incoming.append((name, sp, src))
-        if not incoming:
+        # The whole subtree this call writes is checked before anything is written: the
+        # first hook of a load is the called module's, and it sees every key.
+        coming = [
+            (prefix + name, p)
+            for name, p in tree
+            if isinstance(src := state_dict.get(prefix + name), torch.Tensor)
+            and tuple(src.shape) == tuple(p.shape)
+        ]
+        if not coming:
             return
-        params = dict(module.named_parameters(recurse=False))
         hollow = [
-            prefix + name
-            for name, _, _ in incoming
-            if params[name].numel() and not tp.local_tensor(params[name]).untyped_storage().nbytes()
+            key
+            for key, p in coming
+            if p.numel() and not tp.local_tensor(p).untyped_storage().nbytes()
         ]
         if hollow:
             raise ConfigError(
@@ -750,6 +767,13 @@ class Engine:
                 "parameter would be part loaded, part not; load inside `with "
                 "engine.gathered():` on every rank"
             )
+        incoming = []
+        for name, sp in owned.items():
+            src = state_dict.get(prefix + name)
+            if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(sp.shape):
+                incoming.append((name, sp, src))
+        if not incoming:
+            return
         self._before_update()
         with torch.no_grad():
             for _, sp, src in incoming:

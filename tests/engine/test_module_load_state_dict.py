@@ -59,6 +59,13 @@ def _worker(rank: int, world: int, stage: int, precision: str) -> dict:
         except ConfigError as exc:
             out["rank0_only"] = str(exc)
         out["rank0_only_unchanged"] = _exact(engine, _model().state_dict())
+        try:  # a part gathered, the whole loaded: refused before the part is written
+            with engine.gathered(modules=[model[0]]):
+                model.load_state_dict(target)
+            out["part"] = None
+        except ConfigError as exc:
+            out["part"] = str(exc)
+        out["part_unchanged"] = _exact(engine, _model().state_dict())
         with engine.gathered():
             model.load_state_dict(target)
     else:
@@ -97,6 +104,7 @@ def test_module_load_state_dict_after_wrapping_lands_in_the_masters(stage, preci
             assert "engine.gathered()" in r["outside"], r
             assert r["outside_unchanged"], r
             assert r["rank0_only_unchanged"], r
+            assert "holds no storage here" in r["part"] and r["part_unchanged"], r
             if rank == 0:
                 assert "inside gathered(rank0_only=True)" in r["rank0_only"], r
             else:
