@@ -131,6 +131,11 @@ def _worker(
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        # gloo's init returns on a rank once its own connections are up; a rank whose
+        # function ends at once (rank 0 of a test that outlives it) could then exit while
+        # another rank is still connecting, which fails that rank's init with "Connection
+        # closed by peer" (seen twice in 1557 tests, in two fresh-process tests).
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args, **kwargs)
         finally:
