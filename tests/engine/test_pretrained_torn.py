@@ -4,6 +4,8 @@ are refused, naming the call that failed, until a load_pretrained or a load writ
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers_dist import run_distributed
@@ -85,8 +87,8 @@ def _worker(rank: int, world_size: int, root: str, stage: int) -> dict:
             # The scenario is real: some tensors took the file's values, some kept theirs.
             "some written": any(not torch.equal(before[n], mixed[n]) for n in before),
             "some kept": any(torch.equal(before[n], mixed[n]) for n in before),
-            "forward": _refusal(lambda: engine(idx)),
-            "save": _refusal(lambda: engine.save(f"{root}/torn-{then}")),
+            "forward": _refusal(functools.partial(engine, idx)),
+            "save": _refusal(functools.partial(engine.save, f"{root}/torn-{then}")),
             "close": _refusal(engine.close),
         }
         if then == "load_pretrained":
