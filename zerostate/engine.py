@@ -72,7 +72,7 @@ from zerostate.progress import ProgressLog
 from zerostate.runtime import mesh as meshes
 from zerostate.runtime import tp, tp_checkpoint, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
-from zerostate.runtime.runtime import GroupRuntime
+from zerostate.runtime.runtime import GroupRuntime, holds_no_values
 from zerostate.sharded import ShardedParam, ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
@@ -746,11 +746,7 @@ class Engine:
         ]
         if not coming:
             return
-        hollow = [
-            key
-            for key, p in coming
-            if p.numel() and not tp.local_tensor(p).untyped_storage().nbytes()
-        ]
+        hollow = [key for key, p in coming if holds_no_values(p)]
         if hollow:
             raise ConfigError(
                 f"load_state_dict() at stage 3: {hollow[0]} (and every parameter outside a "

@@ -686,13 +686,19 @@ def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         torch._foreach_copy_([a for a, _ in pairs], [b for _, b in pairs], non_blocking=True)
 
 
+def holds_no_values(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a partitioned parameter outside a gather: its full shape and
+    no storage ([Note: partitioned parameters] in zerostate.runtime.group)."""
+    return bool(param.numel()) and not local_tensor(param).untyped_storage().nbytes()
+
+
 def _refuse_hollow(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """State-dict pre-hook of a module owning partitioned parameters ([Note: no hollow
     state dict])."""
     hollow = [
         prefix + name
         for name, p in module._parameters.items()
-        if p is not None and p.numel() and not local_tensor(p).untyped_storage().nbytes()
+        if p is not None and holds_no_values(p)
     ]
     if hollow:
         raise StageUsageError(
