@@ -27,6 +27,7 @@ ALLOWED = {
     ("zerostate/engine.py", "engine._on_grad_ready"),
     ("zerostate/engine.py", "engine._on_reduced"),
     ("zerostate/engine.py", "engine._on_module_load"),
+    ("zerostate/engine.py", "engine._copy_module"),
     # torch.compile's wrapper keeps the compiled model there and names it nowhere else.
     ("zerostate/checkpoint/state.py", "getattr(module, '_orig_mod', module)"),
 }

@@ -433,6 +433,10 @@ class ActivationCheckpointing:
     def names(self) -> list[str]:
         return [b.name for b in self.blocks]
 
+    def modules(self) -> list[nn.Module]:
+        """The modules whose forward is checkpointed (replaced in their ``__dict__``)."""
+        return [b.module for b in self.blocks]
+
     def remove(self) -> None:
         for b in self.blocks:
             b.module.__dict__.pop("forward", None)

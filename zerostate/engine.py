@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import math
 import os
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -72,7 +73,7 @@ from zerostate.progress import ProgressLog
 from zerostate.runtime import mesh as meshes
 from zerostate.runtime import tp, tp_checkpoint, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
-from zerostate.runtime.runtime import GroupRuntime, holds_no_values
+from zerostate.runtime.runtime import GroupRuntime, StageUsageError, holds_no_values
 from zerostate.sharded import ShardedParam, ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
@@ -220,6 +221,34 @@ class _ModuleLoadHook:
         engine = self._engine()
         if engine is not None:
             engine._on_module_load(module, self._owned, self._tree, state_dict, prefix, metadata)
+
+    def __deepcopy__(self, memo: dict) -> _ModuleLoadHook:
+        # A deep copy of the module drops this hook ([Note: deep copies of a wrapped
+        # model]); copying it first would copy the engine's shards and masters for nothing.
+        return self
+
+
+class _ModuleCopyGuard:
+    """``__deepcopy__`` of every module with engine parameters under it, put in the
+    module's ``__dict__`` bound to it (``copy.deepcopy`` looks the method up on the
+    instance); reaches its engine weakly and hands the copy to :meth:`Engine._copy_module`
+    ([Note: deep copies of a wrapped model])."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, module: nn.Module, memo: dict) -> nn.Module:
+        engine = self._engine()
+        if engine is None:  # the module outlived its engine: a plain copy
+            own = module.__dict__.pop("__deepcopy__", None)
+            try:
+                return copy.deepcopy(module, memo)
+            finally:
+                if own is not None:
+                    module.__dict__["__deepcopy__"] = own
+        return engine._copy_module(module, memo)
 
 
 def _reduced_hook(ref: weakref.ref) -> Any:
@@ -442,6 +471,8 @@ class Engine:
         ]
         # [Note: model.load_state_dict after wrapping]
         self._load_hooks = self._watch_module_loads()
+        # [Note: deep copies of a wrapped model]
+        self._copy_guarded = self._guard_module_copies()
 
     # -- construction helpers -------------------------------------------------------------
     def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
@@ -691,6 +722,83 @@ class Engine:
             hook = _ModuleLoadHook(self, owned, tree)
             handles.append(module.register_load_state_dict_pre_hook(hook))
         return handles
+
+    def _guard_module_copies(self) -> list[nn.Module]:
+        """A :class:`_ModuleCopyGuard` as ``__deepcopy__`` of every module with engine
+        parameters under it; returns those modules (for :meth:`close`)."""
+        engine_params = {id(tp.model_param(sp.param)) for sp in self._params}
+        guard = _ModuleCopyGuard(self)
+        guarded = []
+        for module in self.module.modules():
+            if any(id(p) in engine_params for p in module.parameters()):
+                module.__dict__["__deepcopy__"] = types.MethodType(guard, module)
+                guarded.append(module)
+        return guarded
+
+    def _copy_module(self, module: nn.Module, memo: dict) -> nn.Module:
+        """``copy.deepcopy(module)`` of a module the engine trains (or of a model holding
+        one).
+
+        [Note: deep copies of a wrapped model]
+        A deep copy (an EMA or SWA model through ``AveragedModel(model)``, a frozen
+        reference model for DPO, a snapshot) copied the engine along with the weights: the
+        engine's forward hooks, its ``load_state_dict`` and ``state_dict`` hooks, the
+        checkpointed blocks' forwards and the mark that the model is wrapped. Reproduced on
+        2 gloo ranks:
+        * with ``activation_checkpointing``, at every stage, the copy's forward ran the
+          original's blocks: its output moved with the original's training (an EMA equal
+          to the live model, a reference model that is the policy), with no error;
+        * at stage 3, a copy made inside ``gathered()`` gathered the original's parameters
+          at each of its calls, and called on rank 0 alone it hung in that gather;
+        * ``Engine(copy)`` was refused as "already wrapped";
+        * at stage 3 outside a gather the parameters hold no storage, and the copy (torch
+          clones each parameter) killed the process with SIGSEGV.
+        Now the copy is a plain torch module: none of the engine's hooks, the blocks' own
+        forwards, no mark; its parameters are clones of the values the module holds (the
+        working parameters: at stage 3 inside ``gathered()``). At stage 3 outside a gather
+        the copy is refused before anything is copied, naming ``gathered()``. The original
+        keeps everything. The copy is the caller's: the engine does not train or save it.
+        """
+        own = module.__dict__.pop("__deepcopy__", None)
+        try:
+            if not self._closed:
+                engine_params = {id(tp.model_param(sp.param)) for sp in self._params}
+                hollow = [
+                    name
+                    for name, p in module.named_parameters()
+                    if id(p) in engine_params and holds_no_values(p)
+                ]
+                if hollow:
+                    raise StageUsageError(
+                        f"copy.deepcopy() at stage 3: {hollow[0]} (and every parameter "
+                        "outside a gather) is partitioned across the ranks and holds no "
+                        "values here, so the copy would have none. Copy inside `with "
+                        "engine.gathered():` (a full copy on each rank that runs it, a "
+                        "plain torch module the engine does not train), or build the copy "
+                        "from engine.full_state_dict()"
+                    )
+            dup = copy.deepcopy(module, memo)
+        finally:
+            if own is not None:
+                module.__dict__["__deepcopy__"] = own
+        hook_ids = {handle.id for handle in self._load_hooks} | self._runtime.hook_ids()
+        checkpointed = (
+            {id(m) for m in self._activation.modules()} if self._activation is not None else set()
+        )
+        for original in module.modules():
+            twin = memo.get(id(original))
+            if not isinstance(twin, nn.Module) or twin is original:
+                continue
+            state = twin.__dict__
+            for name, value in list(state.items()):
+                if "hooks" in name and isinstance(value, dict):
+                    for key in [k for k in value if k in hook_ids]:
+                        del value[key]
+            if id(original) in checkpointed:
+                state.pop("forward", None)  # the class's own forward
+            state.pop(_WRAPPED_BY, None)
+            state.pop("__deepcopy__", None)
+        return dup
 
     def _on_module_load(
         self,
@@ -1154,6 +1262,9 @@ class Engine:
             for handle in (*self._grad_hooks, *self._load_hooks):
                 handle.remove()
             self._grad_hooks, self._load_hooks = [], []
+            for module in self._copy_guarded:
+                module.__dict__.pop("__deepcopy__", None)
+            self._copy_guarded = []
             if self._activation is not None:
                 self._activation.remove()
             self.module.__dict__.pop(_WRAPPED_BY, None)  # a new Engine may wrap it now

@@ -642,6 +642,11 @@ class GroupRuntime:
                 for group in groups:
                     group.release()
 
+    def hook_ids(self) -> set[int]:
+        """The ids of the hooks the runtime has on the model's modules (the keys of their
+        hook dicts), so a deep copy of a module can be told from the engine's hooks."""
+        return {handle.id for handle in self._hooks}
+
     def detach(self) -> None:
         """End of training: gather every group for good and remove the runtime's hooks
         from the model, which keeps its full working parameters ([Note: no hollow state
