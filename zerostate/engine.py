@@ -472,6 +472,7 @@ class Engine:
         # [Note: model.load_state_dict after wrapping]
         self._load_hooks = self._watch_module_loads()
         # [Note: deep copies of a wrapped model]
+        self._copying = False
         self._copy_guarded = self._guard_module_copies()
 
     # -- construction helpers -------------------------------------------------------------
@@ -726,11 +727,11 @@ class Engine:
     def _guard_module_copies(self) -> list[nn.Module]:
         """A :class:`_ModuleCopyGuard` as ``__deepcopy__`` of every module with engine
         parameters under it; returns those modules (for :meth:`close`)."""
-        engine_params = {id(tp.model_param(sp.param)) for sp in self._params}
+        self._param_ids = {id(tp.model_param(sp.param)) for sp in self._params}
         guard = _ModuleCopyGuard(self)
         guarded = []
         for module in self.module.modules():
-            if any(id(p) in engine_params for p in module.parameters()):
+            if any(id(p) in self._param_ids for p in module.parameters()):
                 module.__dict__["__deepcopy__"] = types.MethodType(guard, module)
                 guarded.append(module)
         return guarded
@@ -760,13 +761,18 @@ class Engine:
         keeps everything. The copy is the caller's: the engine does not train or save it.
         """
         own = module.__dict__.pop("__deepcopy__", None)
+        if self._copying:  # a submodule of a copy in progress: the outer call checks and strips
+            try:
+                return copy.deepcopy(module, memo)
+            finally:
+                if own is not None:
+                    module.__dict__["__deepcopy__"] = own
         try:
             if not self._closed:
-                engine_params = {id(tp.model_param(sp.param)) for sp in self._params}
                 hollow = [
                     name
                     for name, p in module.named_parameters()
-                    if id(p) in engine_params and holds_no_values(p)
+                    if id(p) in self._param_ids and holds_no_values(p)
                 ]
                 if hollow:
                     raise StageUsageError(
@@ -777,8 +783,10 @@ class Engine:
                         "plain torch module the engine does not train), or build the copy "
                         "from engine.full_state_dict()"
                     )
+            self._copying = True
             dup = copy.deepcopy(module, memo)
         finally:
+            self._copying = False
             if own is not None:
                 module.__dict__["__deepcopy__"] = own
         hook_ids = {handle.id for handle in self._load_hooks} | self._runtime.hook_ids()
