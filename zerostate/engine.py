@@ -241,14 +241,20 @@ class _ModuleCopyGuard:
 
     def __call__(self, module: nn.Module, memo: dict) -> nn.Module:
         engine = self._engine()
-        if engine is None:  # the module outlived its engine: a plain copy
-            own = module.__dict__.pop("__deepcopy__", None)
-            try:
-                return copy.deepcopy(module, memo)
-            finally:
-                if own is not None:
-                    module.__dict__["__deepcopy__"] = own
+        if engine is None:  # the module outlived its engine
+            return _plain_deepcopy(module, memo)
         return engine._copy_module(module, memo)
+
+
+def _plain_deepcopy(module: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy(module, memo)`` past the module's own :class:`_ModuleCopyGuard`
+    (taken out of its ``__dict__`` for the copy, then put back)."""
+    own = module.__dict__.pop("__deepcopy__", None)
+    try:
+        return copy.deepcopy(module, memo)
+    finally:
+        if own is not None:
+            module.__dict__["__deepcopy__"] = own
 
 
 def _reduced_hook(ref: weakref.ref) -> Any:
@@ -760,35 +766,26 @@ class Engine:
         the copy is refused before anything is copied, naming ``gathered()``. The original
         keeps everything. The copy is the caller's: the engine does not train or save it.
         """
-        own = module.__dict__.pop("__deepcopy__", None)
         if self._copying:  # a submodule of a copy in progress: the outer call checks and strips
-            try:
-                return copy.deepcopy(module, memo)
-            finally:
-                if own is not None:
-                    module.__dict__["__deepcopy__"] = own
+            return _plain_deepcopy(module, memo)
+        hollow = [
+            name
+            for name, p in module.named_parameters()
+            if id(p) in self._param_ids and holds_no_values(p)
+        ]
+        if hollow:
+            raise StageUsageError(
+                f"copy.deepcopy() at stage 3: {hollow[0]} (and every parameter outside a "
+                "gather) is partitioned across the ranks and holds no values here, so the "
+                "copy would have none. Copy inside `with engine.gathered():` (a full copy on "
+                "each rank that runs it, a plain torch module the engine does not train), or "
+                "build the copy from engine.full_state_dict()"
+            )
+        self._copying = True
         try:
-            if not self._closed:
-                hollow = [
-                    name
-                    for name, p in module.named_parameters()
-                    if id(p) in self._param_ids and holds_no_values(p)
-                ]
-                if hollow:
-                    raise StageUsageError(
-                        f"copy.deepcopy() at stage 3: {hollow[0]} (and every parameter "
-                        "outside a gather) is partitioned across the ranks and holds no "
-                        "values here, so the copy would have none. Copy inside `with "
-                        "engine.gathered():` (a full copy on each rank that runs it, a "
-                        "plain torch module the engine does not train), or build the copy "
-                        "from engine.full_state_dict()"
-                    )
-            self._copying = True
-            dup = copy.deepcopy(module, memo)
+            dup = _plain_deepcopy(module, memo)
         finally:
             self._copying = False
-            if own is not None:
-                module.__dict__["__deepcopy__"] = own
         hook_ids = {handle.id for handle in self._load_hooks} | self._runtime.hook_ids()
         checkpointed = (
             {id(m) for m in self._activation.modules()} if self._activation is not None else set()
