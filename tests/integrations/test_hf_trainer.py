@@ -113,3 +113,51 @@ def test_peft_model_save_model_writes_an_adapter(tmp_path):
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
     torch.testing.assert_close(loaded, trained, rtol=0, atol=1e-6)
     assert open_checkpoint(str(tmp_path / "run" / "checkpoint-2")).step().refs == {}
+
+
+class _EvalTokens(_Tokens):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        return super().__getitem__(1000 + i)
+
+
+def _best_worker(rank, world_size, out, stage):
+    from lora_common import make_base
+    from transformers import TrainingArguments
+
+    from zerostate.integrations.transformers import ZeroStateTrainer
+
+    # eval_loss with greater_is_better=True: the best checkpoint is the first one (the loss
+    # falls), so the model that train() leaves must be step 2's, not the last step's.
+    args = TrainingArguments(output_dir=f"{out}/run", per_device_train_batch_size=4,
+                             max_steps=6, eval_strategy="steps", eval_steps=2, save_steps=2,
+                             load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                             greater_is_better=True, learning_rate=5e-3, report_to=[],
+                             use_cpu=True, disable_tqdm=True)  # fmt: skip
+    trainer = ZeroStateTrainer(model=make_base(), args=args, train_dataset=_Tokens(),
+                               eval_dataset=_EvalTokens(), stage=stage)  # fmt: skip
+    trainer.train()
+    held = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return trainer.state.best_model_checkpoint, held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_best_model_at_end_leaves_the_best_checkpoints_weights(tmp_path, stage):
+    from helpers_dist import run_distributed
+
+    results = run_distributed(_best_worker, 2, str(tmp_path), stage, timeout=300)
+    best = results[0][0]
+    assert best is not None and best.endswith("checkpoint-2"), best
+    best_step = open_checkpoint(best).step()
+    last_step = open_checkpoint(str(tmp_path / "run" / "checkpoint-6")).step()
+    for _, held in results:
+        differs_from_last = False
+        for name, value in held.items():
+            if f"model/{name}" not in best_step.tensors:
+                continue  # a tied weight, stored once
+            torch.testing.assert_close(value, best_step.read(f"model/{name}"), rtol=0, atol=0)
+            differs_from_last |= not torch.equal(value, last_step.read(f"model/{name}"))
+        assert differs_from_last

@@ -19,7 +19,8 @@ Same arguments as ``Trainer`` plus ``stage`` and the engine's options. What chan
   (every rank writes its partitions: weights, optimizer state, scheduler, RNG) beside the
   Trainer's ``trainer_state.json``; ``resume_from_checkpoint`` loads it at any world size
   and the Trainer skips to the data position it records (keep the global batch, i.e.
-  per-device batch x world size, the same);
+  per-device batch x world size, the same); with ``load_best_model_at_end=True`` the
+  engine loads the best of them before ``train()`` returns;
 - ``save_model(dir)`` writes the gathered fp32 weights with ``save_pretrained`` (a peft
   model writes its adapter), which ``from_pretrained`` loads;
 - ``mesh=`` (a device mesh with ``tp``: the model parallelized with torch's
@@ -40,6 +41,7 @@ shorter last window). Tested with transformers 5.x.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from typing import Any
@@ -51,6 +53,8 @@ from torch import nn
 import zerostate
 from zerostate.errors import ConfigError
 from zerostate.store import open_checkpoint
+
+log = logging.getLogger(__name__)
 
 #: Engine settings that come from ``TrainingArguments``.
 _FROM_ARGS = ("precision", "grad_accum_steps", "grad_clip", "stage", "optimizer")
@@ -267,6 +271,20 @@ class ZeroStateTrainer(transformers.Trainer):
         if checkpoint is None or self.engine is None or not is_store_root(checkpoint):
             return super()._load_optimizer_and_scheduler(checkpoint)
         self.engine.load(checkpoint, stateful=self._stateful())
+        return None
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end=True``: the best checkpoint is a store root, which the
+        stock method looks into for ``model.safetensors``, finds none, and leaves the last
+        weights in the model with a warning about ``--save_on_each_node`` (2 ranks,
+        stages 2 and 3). The engine loads it instead (collective, as the Trainer calls this
+        on every rank), before ``train()`` closes the engine and leaves the weights in the
+        model."""
+        best = self.state.best_model_checkpoint
+        if self.engine is None or self.engine.closed or best is None or not is_store_root(best):
+            return super()._load_best_model()
+        log.info("Loading best model from %s (score: %s).", best, self.state.best_metric)
+        self.engine.load(best, stateful=self._stateful())
         return None
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
