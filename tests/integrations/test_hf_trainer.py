@@ -161,3 +161,46 @@ def test_load_best_model_at_end_leaves_the_best_checkpoints_weights(tmp_path, st
             torch.testing.assert_close(value, best_step.read(f"model/{name}"), rtol=0, atol=0)
             differs_from_last |= not torch.equal(value, last_step.read(f"model/{name}"))
         assert differs_from_last
+
+
+def _checkpointing_worker(rank, world_size, out, checkpointing):
+    from lora_common import make_base
+    from transformers import TrainerCallback, TrainingArguments
+
+    from zerostate.integrations.transformers import ZeroStateTrainer
+
+    class Losses(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    extra = {}
+    if checkpointing is not None:
+        reentrant = {"use_reentrant": checkpointing == "reentrant"}
+        extra = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": reentrant}
+    args = TrainingArguments(output_dir=f"{out}/{checkpointing}", per_device_train_batch_size=4,
+                             max_steps=4, logging_steps=1, learning_rate=5e-3, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True,
+                             **extra)  # fmt: skip
+    losses = Losses()
+    trainer = ZeroStateTrainer(model=make_base(), args=args, train_dataset=_Tokens(), stage=3,
+                               callbacks=[losses])  # fmt: skip
+    trainer.train()
+    return losses.losses, trainer.model.is_gradient_checkpointing
+
+
+@pytest.mark.slow
+def test_transformers_gradient_checkpointing_at_stage_3_gives_the_same_losses(tmp_path):
+    """``gradient_checkpointing=True`` (transformers' own, torch.utils.checkpoint in each
+    decoder layer) recomputes the layers in backward, where stage 3 gathers them again."""
+    from helpers_dist import run_distributed
+
+    plain = run_distributed(_checkpointing_worker, 2, str(tmp_path), None, timeout=300)
+    for mode in ("reentrant", "non-reentrant"):
+        got = run_distributed(_checkpointing_worker, 2, str(tmp_path), mode, timeout=300)
+        for (losses, on), (want, _) in zip(got, plain, strict=True):
+            assert on and len(losses) == 4, (mode, losses)
+            assert losses == pytest.approx(want, rel=1e-6), (mode, losses, want)
