@@ -246,6 +246,24 @@ class _ModuleCopyGuard:
         return engine._copy_module(module, memo)
 
 
+class _ModuleConvertGuard:
+    """``_apply`` of every module with partitioned engine parameters under it (the method
+    behind ``.to()``, ``.half()``, ``.double()``, ``.cuda()``, ``to_empty()`` and
+    ``share_memory()``), put in the module's ``__dict__`` bound to it; reaches its engine
+    weakly ([Note: converting a partitioned model])."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+        engine = self._engine()
+        if engine is not None:
+            engine._check_convert(module, fn)
+        return type(module)._apply(module, fn, recurse)
+
+
 def _plain_deepcopy(module: nn.Module, memo: dict) -> nn.Module:
     """``copy.deepcopy(module, memo)`` past the module's own :class:`_ModuleCopyGuard`
     (taken out of its ``__dict__`` for the copy, then put back)."""
@@ -480,6 +498,8 @@ class Engine:
         # [Note: deep copies of a wrapped model]
         self._copying = False
         self._copy_guarded = self._guard_module_copies()
+        # [Note: converting a partitioned model]
+        self._convert_guarded = self._guard_conversions()
 
     # -- construction helpers -------------------------------------------------------------
     def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
@@ -742,6 +762,49 @@ class Engine:
                 guarded.append(module)
         return guarded
 
+    def _guard_conversions(self) -> list[nn.Module]:
+        """A :class:`_ModuleConvertGuard` as ``_apply`` of every module with engine
+        parameters under it, where the engine partitions them; returns those modules."""
+        if not self._runtime.policy.shard_params:
+            return []
+        guard = _ModuleConvertGuard(self)
+        for module in self._copy_guarded:  # the modules with engine parameters under them
+            module.__dict__["_apply"] = types.MethodType(guard, module)
+        return list(self._copy_guarded)
+
+    def _check_convert(self, module: nn.Module, fn: Callable) -> None:
+        """Before ``module._apply(fn)`` converts partitioned parameters.
+
+        [Note: converting a partitioned model]
+        At stage 3 the engine owns the parameters' storage: each holds no values outside
+        a gather, and a gather fills the storage the parameter has. ``model.double()`` and
+        ``model.share_memory()`` on a wrapped stage-3 model killed the process with SIGSEGV
+        (torch copies from a parameter with no storage), ``model.half()`` raised torch's
+        "data is not allocated yet", and ``model.to_empty()`` put new full tensors under
+        the engine (2 gloo ranks). A conversion that changes a parameter (a new tensor, or
+        its storage moved) is now refused before any is converted, naming what works; one
+        that changes nothing (``.to()`` the device and dtype the parameters have, as
+        Lightning and the Trainer call it) goes through. Whether ``fn`` changes a tensor
+        is asked of a one-element tensor of each dtype and device the parameters have: the
+        conversions torch's methods make are elementwise in dtype and device.
+        """
+        seen = set()
+        for p in module.parameters():
+            if id(p) not in self._param_ids or (p.dtype, p.device) in seen:
+                continue
+            seen.add((p.dtype, p.device))
+            probe = torch.empty(1, dtype=p.dtype, device=p.device)
+            at = probe.data_ptr()
+            if fn(probe) is not probe or probe.data_ptr() != at:
+                raise StageUsageError(
+                    "converting the parameters of a model a stage-3 engine trains (to "
+                    "another dtype or device, to_empty(), share_memory()): the engine owns "
+                    "their storage, partitioned across the ranks, and the conversion would "
+                    "replace it (outside a gather it holds no values). Set the working dtype "
+                    "with precision= and move the model before building the Engine, or call "
+                    "engine.close() first (the model then holds its full weights)"
+                )
+
     def _copy_module(self, module: nn.Module, memo: dict) -> nn.Module:
         """``copy.deepcopy(module)`` of a module the engine trains (or of a model holding
         one).
@@ -803,6 +866,7 @@ class Engine:
                 state.pop("forward", None)  # the class's own forward
             state.pop(_WRAPPED_BY, None)
             state.pop("__deepcopy__", None)
+            state.pop("_apply", None)
         return dup
 
     def _on_module_load(
@@ -1269,7 +1333,8 @@ class Engine:
             self._grad_hooks, self._load_hooks = [], []
             for module in self._copy_guarded:
                 module.__dict__.pop("__deepcopy__", None)
-            self._copy_guarded = []
+                module.__dict__.pop("_apply", None)
+            self._copy_guarded = self._convert_guarded = []
             if self._activation is not None:
                 self._activation.remove()
             self.module.__dict__.pop(_WRAPPED_BY, None)  # a new Engine may wrap it now

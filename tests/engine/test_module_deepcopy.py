@@ -60,7 +60,9 @@ def _engine_parts(module: nn.Module) -> list[str]:
         if hooks:
             found.append(f"{name or 'root'}: {hooks} hook(s)")
         found += [
-            f"{name or 'root'}: {k}" for k in ("forward", "_zerostate_wrapped_by") if k in state
+            f"{name or 'root'}: {k}"
+            for k in ("forward", "_zerostate_wrapped_by", "__deepcopy__", "_apply")
+            if k in state
         ]
     return found
 
