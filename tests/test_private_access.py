@@ -28,7 +28,7 @@ ALLOWED = {
     ("zerostate/engine.py", "engine._on_reduced"),
     ("zerostate/engine.py", "engine._on_module_load"),
     ("zerostate/engine.py", "engine._copy_module"),
-    ("zerostate/engine.py", "engine._check_convert"),
+    ("zerostate/engine.py", "engine._convert_module"),
     # The conversion guard hands the call on to the class's own Module._apply, which torch
     # names nowhere else (.to(), .half(), .cuda(), to_empty() all go through it).
     ("zerostate/engine.py", "type(module)._apply"),

@@ -259,9 +259,9 @@ class _ModuleConvertGuard:
 
     def __call__(self, module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
         engine = self._engine()
-        if engine is not None:
-            engine._check_convert(module, fn)
-        return type(module)._apply(module, fn, recurse)
+        if engine is None:  # the module outlived its engine
+            return type(module)._apply(module, fn, recurse)
+        return engine._convert_module(module, fn, recurse)
 
 
 def _plain_deepcopy(module: nn.Module, memo: dict) -> nn.Module:
@@ -493,13 +493,10 @@ class Engine:
             sp.param.register_post_accumulate_grad_hook(_GradReadyHook(self, i))
             for i, sp in enumerate(self._trainable)
         ]
-        # [Note: model.load_state_dict after wrapping]
-        self._load_hooks = self._watch_module_loads()
-        # [Note: deep copies of a wrapped model]
-        self._copying = False
-        self._copy_guarded = self._guard_module_copies()
-        # [Note: converting a partitioned model]
-        self._convert_guarded = self._guard_conversions()
+        # [Note: model.load_state_dict after wrapping], [Note: deep copies of a wrapped
+        # model], [Note: converting a partitioned model]
+        self._copying = self._converting = False
+        self._load_hooks, self._guarded = self._watch_modules()
 
     # -- construction helpers -------------------------------------------------------------
     def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
@@ -729,10 +726,16 @@ class Engine:
         self._progress.after_step(self)
         return not overflow
 
-    def _watch_module_loads(self) -> list[Any]:
-        """A :class:`_ModuleLoadHook` on every module with engine parameters under it."""
+    def _watch_modules(self) -> tuple[list[Any], list[nn.Module]]:
+        """On every module with engine parameters under it: a :class:`_ModuleLoadHook`, a
+        :class:`_ModuleCopyGuard` as its ``__deepcopy__`` and, where the engine partitions
+        the parameters, a :class:`_ModuleConvertGuard` as its ``_apply``. Returns the hook
+        handles and those modules (for :meth:`close`)."""
         by_param = {id(tp.model_param(sp.param)): sp for sp in self._params}
-        handles = []
+        self._param_ids = set(by_param)
+        copy_guard = _ModuleCopyGuard(self)
+        convert_guard = _ModuleConvertGuard(self) if self._runtime.policy.shard_params else None
+        handles, guarded = [], []
         for module in self.module.modules():
             tree = [
                 (name, p)
@@ -748,32 +751,15 @@ class Engine:
             }
             hook = _ModuleLoadHook(self, owned, tree)
             handles.append(module.register_load_state_dict_pre_hook(hook))
-        return handles
+            module.__dict__["__deepcopy__"] = types.MethodType(copy_guard, module)
+            if convert_guard is not None:
+                module.__dict__["_apply"] = types.MethodType(convert_guard, module)
+            guarded.append(module)
+        return handles, guarded
 
-    def _guard_module_copies(self) -> list[nn.Module]:
-        """A :class:`_ModuleCopyGuard` as ``__deepcopy__`` of every module with engine
-        parameters under it; returns those modules (for :meth:`close`)."""
-        self._param_ids = {id(tp.model_param(sp.param)) for sp in self._params}
-        guard = _ModuleCopyGuard(self)
-        guarded = []
-        for module in self.module.modules():
-            if any(id(p) in self._param_ids for p in module.parameters()):
-                module.__dict__["__deepcopy__"] = types.MethodType(guard, module)
-                guarded.append(module)
-        return guarded
-
-    def _guard_conversions(self) -> list[nn.Module]:
-        """A :class:`_ModuleConvertGuard` as ``_apply`` of every module with engine
-        parameters under it, where the engine partitions them; returns those modules."""
-        if not self._runtime.policy.shard_params:
-            return []
-        guard = _ModuleConvertGuard(self)
-        for module in self._copy_guarded:  # the modules with engine parameters under them
-            module.__dict__["_apply"] = types.MethodType(guard, module)
-        return list(self._copy_guarded)
-
-    def _check_convert(self, module: nn.Module, fn: Callable) -> None:
-        """Before ``module._apply(fn)`` converts partitioned parameters.
+    def _convert_module(self, module: nn.Module, fn: Callable, recurse: bool) -> nn.Module:
+        """``module._apply(fn, recurse)`` of a module with partitioned parameters under it,
+        checked first.
 
         [Note: converting a partitioned model]
         At stage 3 the engine owns the parameters' storage: each holds no values outside
@@ -786,8 +772,12 @@ class Engine:
         that changes nothing (``.to()`` the device and dtype the parameters have, as
         Lightning and the Trainer call it) goes through. Whether ``fn`` changes a tensor
         is asked of a one-element tensor of each dtype and device the parameters have: the
-        conversions torch's methods make are elementwise in dtype and device.
+        conversions torch's methods make are elementwise in dtype and device. The
+        outermost call checks its whole subtree; the submodules it converts are not asked
+        again.
         """
+        if self._converting:
+            return type(module)._apply(module, fn, recurse)
         seen = set()
         for p in module.parameters():
             if id(p) not in self._param_ids or (p.dtype, p.device) in seen:
@@ -804,6 +794,11 @@ class Engine:
                     "with precision= and move the model before building the Engine, or call "
                     "engine.close() first (the model then holds its full weights)"
                 )
+        self._converting = True
+        try:
+            return type(module)._apply(module, fn, recurse)
+        finally:
+            self._converting = False
 
     def _copy_module(self, module: nn.Module, memo: dict) -> nn.Module:
         """``copy.deepcopy(module)`` of a module the engine trains (or of a model holding
@@ -1331,10 +1326,10 @@ class Engine:
             for handle in (*self._grad_hooks, *self._load_hooks):
                 handle.remove()
             self._grad_hooks, self._load_hooks = [], []
-            for module in self._copy_guarded:
+            for module in self._guarded:
                 module.__dict__.pop("__deepcopy__", None)
                 module.__dict__.pop("_apply", None)
-            self._copy_guarded = self._convert_guarded = []
+            self._guarded = []
             if self._activation is not None:
                 self._activation.remove()
             self.module.__dict__.pop(_WRAPPED_BY, None)  # a new Engine may wrap it now
