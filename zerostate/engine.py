@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import os
 import types
@@ -77,6 +78,8 @@ from zerostate.runtime.runtime import GroupRuntime, StageUsageError, holds_no_va
 from zerostate.sharded import ShardedParam, ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
+
+log = logging.getLogger(__name__)
 
 #: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
 #: user optimizer's business.
@@ -445,6 +448,12 @@ class Engine:
         )
         self._runtime.setup(model, config)
         self._trainable = self._runtime.trainable
+        # Parameters frozen when the engine was built, watched for a gradient at each step
+        # ([Note: parameters unfrozen later]).
+        self._frozen = [
+            (sp.name, tp.model_param(sp.param)) for sp in self._params if not sp.trainable
+        ]
+        self._told_unfrozen: set[str] = set()
         #: The host tier of offloaded state ([Note: offload] in zerostate.runtime.offload).
         self._host: HostTier | None = None
         if config.offload is not None:
@@ -678,6 +687,8 @@ class Engine:
             )
         if self._micro_step < self.config.grad_accum_steps:
             return False
+        if self._frozen:
+            self._tell_unfrozen()
         self._runtime.uncover_grads()  # [Note: gradient stand-ins] in zerostate.runtime
         if self._host is not None:
             grads = self._host_grads()
@@ -725,6 +736,46 @@ class Engine:
             self._tp.stats.end_step()
         self._progress.after_step(self)
         return not overflow
+
+    def _tell_unfrozen(self) -> None:
+        """Warn (rank 0, once per parameter) about parameters frozen at construction that
+        now hold a gradient.
+
+        [Note: parameters unfrozen later]
+        The engine partitions, and keeps masters and optimizer state for, the parameters
+        that require grad when it is built; a frozen one is stored once and never stepped.
+        Setting ``requires_grad_(True)`` on it later (gradual unfreezing, a callback that
+        unfreezes the backbone) made autograd fill its ``.grad`` while the engine went on
+        ignoring it: the parameter stayed at its initial values, with no word (2 ranks,
+        stages 0-3), where torch's AdamW built over ``model.parameters()`` trains it.
+        Adding a parameter to the partitions mid-run would re-plan buckets, masters, the
+        optimizer's groups and the checkpoint layout, so the engine says so instead, and
+        names what works: build the engine with the parameter trainable and freeze it with
+        ``requires_grad_(False)`` until it should train. A trainable parameter without a
+        gradient is not stepped (torch skips it too), so that run equals torch's AdamW
+        step for step. Freezing a trainable parameter mid-run needs nothing: it gets no
+        gradient and is not stepped. The check reads ``.grad`` of the frozen parameters
+        at each optimizer step (a few hundred attribute reads for a LoRA model); their
+        ``.grad`` is left as autograd made it."""
+        got = [
+            name
+            for name, param in self._frozen
+            if param.grad is not None and name not in self._told_unfrozen
+        ]
+        if not got:
+            return
+        self._told_unfrozen.update(got)
+        if self.rank == 0:
+            log.warning(
+                "zerostate: %d parameter(s) frozen (requires_grad=False) when the Engine was "
+                "built now receive gradients, which the engine does not apply: %s. It trains "
+                "only the parameters that were trainable at Engine(...); to unfreeze one "
+                "later, build the engine with it trainable and freeze it with "
+                "requires_grad_(False) until then (a parameter without a gradient is not "
+                "stepped). Their .grad tensors hold memory until set to None",
+                len(got),
+                _first_names(got),
+            )
 
     def _watch_modules(self) -> tuple[list[Any], list[nn.Module]]:
         """On every module with engine parameters under it: a :class:`_ModuleLoadHook`, a
