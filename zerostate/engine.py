@@ -454,6 +454,8 @@ class Engine:
             (sp.name, tp.model_param(sp.param)) for sp in self._params if not sp.trainable
         ]
         self._told_unfrozen: set[str] = set()
+        # True while backward() runs ([Note: gradients from another backward]).
+        self._backward_open = False
         #: The host tier of offloaded state ([Note: offload] in zerostate.runtime.offload).
         self._host: HostTier | None = None
         if config.offload is not None:
@@ -589,6 +591,8 @@ class Engine:
 
     def _on_grad_ready(self, index: int) -> None:
         param = self._trainable[index].param
+        if not self._backward_open:
+            self._refuse_stray_grad(index)
         if isinstance(param, tp.LocalParam):
             # A Partial gradient is summed over tp before it is used.
             param.settle_grad(self._tp.stats)
@@ -674,7 +678,11 @@ class Engine:
         self._progress.note_loss(loss)
         if self._scaler.enabled:
             loss = loss.float() * self._scaler.scale
-        loss.backward()
+        self._backward_open = True
+        try:
+            loss.backward()
+        finally:
+            self._backward_open = False
         self._runtime.finish_backward()
         self._micro_step += 1
 
@@ -736,6 +744,41 @@ class Engine:
             self._tp.stats.end_step()
         self._progress.after_step(self)
         return not overflow
+
+    def _refuse_stray_grad(self, index: int) -> None:
+        """A gradient reached a parameter outside :meth:`backward`: drop it and raise.
+
+        [Note: gradients from another backward]
+        The engine takes each gradient as autograd accumulates it (its post-accumulate
+        hook) and reduces it with its bucket, so it only knows what to do with one inside
+        ``engine.backward(loss)``, which prepares the buckets and finishes them. Two habits
+        reach the parameters from another backward. A DDP script's ``loss.backward()``
+        (``step()`` then refused it, but the hooks had already run). And a GAN's
+        generator step, ``engine_g.backward(loss_g)`` with ``loss_g`` computed through the
+        discriminator's engine, the recipe of PyTorch's DCGAN example, which lets the
+        generator's loss fill the discriminator's ``.grad`` and discards it with
+        ``netD.zero_grad()`` before the discriminator's next step. Here that gradient
+        reached buckets already reduced in the discriminator's last step and raised "arrived
+        after its group was reduced ... report it with the model" (2 ranks, stages 0-3),
+        which named neither the cause nor the fix; with gradient accumulation it could
+        land in the discriminator's next update instead. The engine cannot set such a
+        gradient aside for a later ``zero_grad()`` (at stages 2-3 it would have to hold a
+        whole unreduced gradient), so the gradient is dropped from ``.grad`` (a later
+        backward must not add to it) and the backward raises, naming the two fixes:
+        ``engine.backward(loss)``, or freezing the parameters around a backward that must
+        not train them, which equals torch's DCGAN recipe step for step."""
+        sp = self._trainable[index]
+        tp.model_param(sp.param).grad = None
+        raise EngineUsageError(
+            f"the gradient of {sp.name} arrived outside this engine's backward(): a backward "
+            "the engine did not start reached its parameters (loss.backward() instead of "
+            "engine.backward(loss), or another model's loss through this one, as a GAN's "
+            "generator loss through the discriminator). The engine reduces gradients as "
+            "they arrive and cannot keep one for a later zero_grad(); it was dropped. Call "
+            "engine.backward(loss) for this engine's losses, and around a backward that must "
+            "not train these parameters freeze them (model.requires_grad_(False), then "
+            "requires_grad_(True)) or detach what flows into them"
+        )
 
     def _tell_unfrozen(self) -> None:
         """Warn (rank 0, once per parameter) about parameters frozen at construction that
