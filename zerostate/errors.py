@@ -57,6 +57,10 @@ class CollectiveTimeoutError(ZerostateError, TimeoutError):
     """Not every rank entered a collective call (save, load, ...) within the deadline."""
 
 
+class StageUsageError(ZerostateError, RuntimeError):
+    """The partitioned model was used in a way the runtime cannot serve."""
+
+
 class GradientAccessError(ZerostateError, RuntimeError):
     """A parameter's ``.grad`` was used between ``engine.backward()`` and ``engine.step()``,
     where it does not hold the step's gradient (``torch.nn.utils.clip_grad_norm_``, say)."""

@@ -67,6 +67,7 @@ from zerostate.comm import (
     reduce_scatter_in_place,
     start_all_gather,
 )
+from zerostate.runtime import hollow
 from zerostate.runtime.grad_stand_in import GradStandIn
 from zerostate.runtime.tp import LocalParam
 from zerostate.sharded import FlatLayout, ShardedParam
@@ -252,6 +253,7 @@ class ParamGroup:
         self._gather = None
         targets = []
         for p in self.params:
+            hollow.restore(p.param)  # [Note: reading a parameter outside a gather]
             data = p.param.data
             data.untyped_storage().resize_(p.numel * data.element_size())
             targets.append(data.view(-1))
@@ -280,6 +282,7 @@ class ParamGroup:
             self.drop_gather()
         for p in self.params:
             p.param.data.untyped_storage().resize_(0)
+            hollow.release(p.param, p.name)
         self.state = GroupState.SHARDED
 
     def write_back(self) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from zerostate.runtime import hollow
 from zerostate.runtime.tp import empty_like_param, model_param
 from zerostate.sharded import ShardedParam
 
@@ -162,6 +163,7 @@ def materialise(
     replaced = {}
     for sp in sparams:
         fresh = empty_like_param(sp.param, dtype, device, sp.trainable)
+        hollow.release(fresh, sp.name)  # [Note: reading a parameter outside a gather]
         replaced[id(model_param(sp.param))] = model_param(fresh)
         sp.param = fresh
     for module in model.modules():

@@ -66,7 +66,7 @@ from torch.utils.hooks import RemovableHandle
 from zerostate import collectives
 from zerostate.comm import CommContext, InFlight, all_gather_groups
 from zerostate.coordinator import Coordinator
-from zerostate.errors import DistributedMismatchError, ZerostateError
+from zerostate.errors import DistributedMismatchError, StageUsageError
 from zerostate.runtime.grad_stand_in import where_grads_are
 from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
 from zerostate.runtime.grouping import assign_units, select_units, split_into_buckets
@@ -80,10 +80,6 @@ _GATHER, _END = 1, 2
 
 class GroupMismatchError(DistributedMismatchError):
     """Ranks gathered different parameter groups in one collective."""
-
-
-class StageUsageError(ZerostateError, RuntimeError):
-    """The partitioned model was used in a way the runtime cannot serve."""
 
 
 class _PostBackward(torch.autograd.Function):
