@@ -942,12 +942,40 @@ class _LinkedOptimizer:
     def _opt_called(self, value: bool) -> None:
         pass  # derived from the engine's step count
 
+    #: torch.amp.GradScaler.step(opt) then hands this step the scale (``grad_scale``,
+    #: ``found_inf``) instead of asserting "No inf checks were recorded for this optimizer"
+    #: ([Note: a GradScaler around the engine]).
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Callable | None = None) -> Any:
-        """``engine.step()``: the engine owns the update of the partitioned state."""
+        """``engine.step()``: the engine owns the update of the partitioned state.
+
+        [Note: a GradScaler around the engine]
+        A DDP fp16 script keeps ``torch.amp.GradScaler``: ``scaler.scale(loss)``, then
+        ``scaler.step(opt)`` and ``scaler.update()``. Around the engine the scaler's
+        ``unscale_`` looked for gradients in ``opt.param_groups`` (the engine's fp32
+        masters, whose gradients exist only inside ``engine.step()``), found none and
+        raised torch's "No inf checks were recorded for this optimizer", which names
+        neither the cause nor the fix (2 ranks, stages 0-3). The scaler cannot be served:
+        its ``update()`` needs inf checks recorded in its own state. So the linked
+        optimizer declares that it handles scaling, which makes the scaler hand the step
+        its scale, and the step refuses with the fix: the engine scales fp16 losses itself
+        (``precision="fp16"``), and bf16 needs no scaling. Nothing is stepped; the scaled
+        gradients stay accumulated, so a script that catches this must build a new engine.
+        """
         if closure is not None:
             raise ConfigError(
                 "this optimizer is driven by a zerostate Engine, whose step takes no closure; "
                 "call engine.backward(loss) and then engine.step() (or opt.step())"
+            )
+        if "found_inf" in vars(self):  # set by torch.amp.GradScaler.step(self)
+            raise ConfigError(
+                "torch.amp.GradScaler around a zerostate Engine: the engine keeps fp32 master "
+                "weights and scales fp16 losses itself (Engine(precision='fp16'), dynamic loss "
+                "scaling; bf16 needs none). Drop the GradScaler: engine.backward(loss) instead "
+                "of scaler.scale(loss).backward(), and engine.step() (or opt.step()) instead of "
+                "scaler.step(opt) and scaler.update(). Nothing was stepped; this step's "
+                "gradients were scaled by the GradScaler, so start the run again"
             )
         return _engine_of(self).step()
 
