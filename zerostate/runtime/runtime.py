@@ -141,6 +141,9 @@ class GroupRuntime:
         self._entered: list[int] = []
         self._in_forward = False
         self._gathered_depth = 0
+        #: Units a backward with create_graph=True went through, kept gathered until the
+        #: end of the next backward ([Note: backward with create_graph]).
+        self._held: set[int] = set()
         #: Inside gathered(rank0_only=True): only rank 0 holds the full parameters.
         self.gathered_rank0_only = False
         self._hooks: list[RemovableHandle] = []  # on the model; removed by detach()
@@ -283,7 +286,8 @@ class GroupRuntime:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._make_pre_backward(group))
                         group.needs_backward = True
-            group.release()
+            if group.index not in self._held:
+                group.release()
 
         return hook
 
@@ -395,6 +399,8 @@ class GroupRuntime:
     # -- backward ------------------------------------------------------------------------
     def _make_pre_backward(self, group: ParamGroup):
         def hook(grad: torch.Tensor) -> None:
+            if torch.is_grad_enabled():  # create_graph=True
+                self._held.add(group.index)
             if group.state is GroupState.GATHERED:
                 return
             self._gather_now(group)
@@ -408,8 +414,26 @@ class GroupRuntime:
         return hook
 
     def _post_backward(self, group: ParamGroup) -> None:
+        """The unit's inputs have their gradients: release it and let its gradients be
+        reduced, unless a backward with ``create_graph=True`` went through it.
+
+        [Note: backward with create_graph]
+        A gradient penalty (WGAN-GP, R1) takes ``torch.autograd.grad(D(x).sum(), x,
+        create_graph=True)`` and adds a function of it to the loss. The graph that call
+        builds holds the unit's parameters as saved tensors outside any module's forward,
+        so the unit's hooks cannot gather them when the loss's backward reaches those
+        nodes; released, they had zero bytes and the backward raised torch's "setStorage:
+        ... out of bounds for storage of size 0" (2 ranks, stage 3; stages 0-2 equal
+        torch). Autograd runs such a backward with grad mode on, which the unit's hooks
+        see: from then until the end of the next backward the unit stays gathered (its
+        forward and backward hooks leave it so), and its gradients are reduced when that
+        backward ends (:meth:`finish_backward`), once every node that adds to them has
+        run. Ranks run the same graph, so they hold the same units and issue the same
+        collectives. The cost is the held units' full parameters for that step."""
         group.num_backward_done += 1
-        if group.num_backward_done < group.num_backward_calls:
+        if torch.is_grad_enabled():
+            self._held.add(group.index)
+        if group.index in self._held or group.num_backward_done < group.num_backward_calls:
             return
         group.release()
         group.ready = True
@@ -480,6 +504,7 @@ class GroupRuntime:
     def release_all(self) -> None:
         if self._gathered_depth or self.detached:
             return
+        self._held.clear()
         for group in self.groups:
             group.release()
             group.needs_backward = False

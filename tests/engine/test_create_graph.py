@@ -1,0 +1,112 @@
+"""A gradient penalty (WGAN-GP): ``torch.autograd.grad(D(x).sum(), x, create_graph=True)``
+inside the loss. At stage 3 the penalty's graph holds partitioned parameters outside any
+module's forward, and the loss's backward raised torch's "setStorage: ... out of bounds for
+storage of size 0"; the units such a backward goes through now stay gathered until the
+next backward ends ([Note: backward with create_graph] in zerostate.runtime.runtime). Every
+stage equals torch's AdamW step for step, on a critic of linear units and on a transformers
+GPT-2 critic over ``inputs_embeds``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers_dist import run_distributed
+from torch import nn
+
+import zerostate
+
+STEPS, BATCH, LAMBDA = 3, 8, 10.0
+
+
+def _critic(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":  # each Linear is a stage-3 unit; odd widths
+        return nn.Sequential(
+            nn.Linear(6, 13), nn.Tanh(), nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 1)
+        )
+    from transformers import GPT2Config, GPT2Model
+
+    cfg = GPT2Config(
+        vocab_size=16, n_positions=8, n_embd=12, n_layer=2, n_head=3, bos_token_id=0, eos_token_id=0
+    )
+    cfg.attn_pdrop = cfg.resid_pdrop = cfg.embd_pdrop = 0.0
+    cfg._attn_implementation = "eager"  # double backward through attention
+    return _GPT2Critic(GPT2Model(cfg))
+
+
+class _GPT2Critic(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.body(inputs_embeds=x.view(x.shape[0], 4, 12)).last_hidden_state
+        return hidden.mean(dim=(1, 2))
+
+
+def _width(kind: str) -> int:
+    return 6 if kind == "mlp" else 48
+
+
+def _loss(critic, real, fake, alpha):
+    mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+    (grad,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+    penalty = ((grad.flatten(1).norm(dim=1) - 1) ** 2).mean()
+    return critic(fake).mean() - critic(real).mean() + LAMBDA * penalty
+
+
+def _data(step: int, micro: int, kind: str):
+    gen = torch.Generator().manual_seed(100 * step + micro)
+    width = _width(kind)
+    return (
+        torch.randn(BATCH, width, generator=gen),
+        torch.randn(BATCH, width, generator=gen),
+        torch.rand(BATCH, 1, generator=gen),
+    )
+
+
+def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return t[rank * BATCH // world : (rank + 1) * BATCH // world]
+
+
+def _reference(kind: str, world: int, accum: int) -> dict[str, torch.Tensor]:
+    """One process: the mean of every rank's and micro-batch's loss, torch's AdamW."""
+    critic = _critic(kind)
+    opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(accum):
+            data = _data(step, micro, kind)
+            for r in range(world):
+                total = total + _loss(critic, *(_rows(t, r, world) for t in data))
+        (total / (world * accum)).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in critic.named_parameters()}
+
+
+def _worker(rank: int, world: int, kind: str, stage: int, accum: int) -> dict:
+    critic = _critic(kind)
+    opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    engine = zerostate.Engine(critic, stage=stage, optimizer=opt, grad_accum_steps=accum)
+    for step in range(STEPS):
+        for micro in range(accum):
+            data = _data(step, micro, kind)
+            engine.backward(_loss(engine, *(_rows(t, rank, world) for t in data)))
+            engine.step()
+    full = engine.full_state_dict()
+    out = {n: t.clone() for n, t in full.items()}
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind,stage,accum",
+    [("mlp", 0, 1), ("mlp", 2, 1), ("mlp", 3, 1), ("mlp", 3, 2), ("gpt2", 3, 1)],
+)
+def test_a_gradient_penalty_trains_as_torch_at_every_stage(kind, stage, accum):
+    want = _reference(kind, 2, accum)
+    got = run_distributed(_worker, 2, kind, stage, accum)[0]
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
