@@ -125,6 +125,15 @@ def identical(a, b) -> bool:
     return a == b
 
 
+def error_of(fn) -> str | None:
+    """The message of the zerostate error ``fn()`` raises; None if it raises none."""
+    try:
+        fn()
+    except zerostate.ZerostateError as exc:
+        return str(exc)
+    return None
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.float().norm().item()
     return (a.float() - b.float()).norm().item() / (denom if denom else 1.0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from common import error_of
 from helpers_dist import run_distributed
 
 import zerostate
@@ -32,21 +33,13 @@ def _train(engine, rank: int, steps: int = 2) -> None:
         engine.step()
 
 
-def _errors(fn) -> str | None:
-    try:
-        fn()
-    except zerostate.ZerostateError as exc:
-        return str(exc)
-    return None
-
-
 def _worker(rank: int, world_size: int, out: str) -> dict:
     model = _gpt2()
     engine = zerostate.Engine(model, stage=3, lr=1e-2)
     _train(engine, rank)
     result = {
-        "whole": _errors(model.state_dict),
-        "block": _errors(model.transformer.h[0].state_dict),
+        "whole": error_of(model.state_dict),
+        "block": error_of(model.transformer.h[0].state_dict),
     }
     full = engine.full_state_dict()
     with engine.gathered():
@@ -58,7 +51,7 @@ def _worker(rank: int, world_size: int, out: str) -> dict:
         torch.save(model.state_dict(), f"{out}/model.pt")
         model.save_pretrained(f"{out}/hf")
     dist.barrier()
-    result["train_after_close"] = _errors(lambda: engine(input_ids=torch.ones(1, 4).long()))
+    result["train_after_close"] = error_of(lambda: engine(input_ids=torch.ones(1, 4).long()))
     result["full"] = full
     result["full_after_close"] = engine.full_state_dict()
     return result
