@@ -303,10 +303,38 @@ class _Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        """Recompute and differentiate the block.
+
+        [Note: checkpoints under create_graph]
+        A backward with ``create_graph=True`` (a gradient penalty: WGAN-GP, R1) needs the
+        block's gradients as functions of its inputs and parameters. This backward used to
+        recompute from detached copies of the inputs and call ``torch.autograd.grad``
+        without ``create_graph``, so the gradients came back as constants and every
+        second-order term through a checkpointed block was dropped: a WGAN-GP critic of
+        three checkpointed residual blocks ended 0.059 away from torch's AdamW after 3
+        steps at stages 0, 2 and 3, with no error (torch's own non-reentrant checkpoint
+        gives the same gradients as no checkpoint). Autograd runs such a backward with
+        grad mode on; then the recompute starts from the saved inputs themselves (which
+        keep their place in the outer graph), the gradients are taken with
+        ``create_graph=True``, and the recorded call is kept for the backward that
+        differentiates them. Inputs kept as tp slices (``"partitioned"`` with a ``tp``
+        mesh, ``"partitioned_cpu"``) have lost that place, so there such a backward is
+        refused, naming ``"full"``."""
         call: _Call = ctx.call
         block = call.block
+        create_graph = torch.is_grad_enabled()
         inputs = []
         for kept, meta in zip(ctx.saved_tensors, call.kept, strict=True):
+            if meta.slice_of is not None and create_graph:
+                raise ConfigError(
+                    f"activation_checkpointing={block.mode!r} keeps the inputs of "
+                    f"{block.name!r} as slices, which a backward with create_graph=True (a "
+                    "gradient penalty) cannot differentiate through; use "
+                    "activation_checkpointing='full'"
+                )
+            if create_graph:
+                inputs.append(kept if meta.requires_grad else kept.detach())
+                continue
             t = block.restore(kept, meta) if meta.slice_of is not None else kept
             inputs.append(t.detach().requires_grad_(meta.requires_grad))
         params = block.params()
@@ -321,13 +349,18 @@ class _Checkpoint(torch.autograd.Function):
         if pairs and wrt:
             found = list(
                 torch.autograd.grad(
-                    [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+                    [o for o, _ in pairs],
+                    wrt,
+                    [g for _, g in pairs],
+                    allow_unused=True,
+                    create_graph=create_graph,
                 )
             )
         found_iter = iter(found)
         input_grads = [next(found_iter) if t.requires_grad else None for t in inputs]
         param_grads = list(found_iter)
-        ctx.call = None  # the recompute's graph and the restored inputs go now
+        if not create_graph:
+            ctx.call = None  # the recompute's graph and the restored inputs go now
         return (None, None, *input_grads, *param_grads)
 
 
