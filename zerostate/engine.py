@@ -71,8 +71,8 @@ from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
+from zerostate.runtime import hollow, tp, tp_checkpoint, tp_plan
 from zerostate.runtime import mesh as meshes
-from zerostate.runtime import tp, tp_checkpoint, tp_plan
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime, StageUsageError, holds_no_values
 from zerostate.sharded import ShardedParam, ShardView
@@ -780,6 +780,7 @@ class Engine:
             "requires_grad_(True)) or detach what flows into them"
         )
 
+    @hollow.unguarded
     def _tell_unfrozen(self) -> None:
         """Warn (rank 0, once per parameter) about parameters frozen at construction that
         now hold a gradient.
@@ -877,9 +878,7 @@ class Engine:
             if id(p) not in self._param_ids or (p.dtype, p.device) in seen:
                 continue
             seen.add((p.dtype, p.device))
-            probe = torch.empty(1, dtype=p.dtype, device=p.device)
-            at = probe.data_ptr()
-            if fn(probe) is not probe or probe.data_ptr() != at:
+            if hollow.converts(fn, p.dtype, p.device):
                 raise StageUsageError(
                     "converting the parameters of a model a stage-3 engine trains (to "
                     "another dtype or device, to_empty(), share_memory()): the engine owns "

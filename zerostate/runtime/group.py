@@ -274,6 +274,7 @@ class ParamGroup:
     def gather_tag(self) -> int | None:
         return None if self._gather is None else self._gather[2]
 
+    @hollow.unguarded
     def release(self) -> None:
         """Free the full parameters (partitioned parameters only)."""
         if not self.policy.shard_params:
@@ -297,6 +298,7 @@ class ParamGroup:
                     sp.master.copy_(flat[lo : lo + sp.master.numel()])
 
     # -- gradients -------------------------------------------------------------------
+    @hollow.unguarded
     def prepare(self, *, communicate: bool) -> None:
         """Before a micro-step's backward."""
         self.num_ready = 0
@@ -330,6 +332,7 @@ class ParamGroup:
         self.num_ready += 1
         return self.num_ready == len(self.trainable)
 
+    @hollow.unguarded
     def launch(self, inflight: InFlight, on_complete: Callable[[], None] | None = None) -> None:
         """Communicate this micro-step's gradients (once per micro-step); ``on_complete``
         runs once this rank's reduced gradients are final ([Note: completion hooks] in
@@ -401,6 +404,7 @@ class ParamGroup:
             self._shard().zero_()
         return self.grad_layout.shard_views(self.grad_shard)
 
+    @hollow.unguarded
     def zero(self) -> None:
         """Forget the gradients of the step just taken."""
         self.fresh = True
@@ -411,6 +415,7 @@ class ParamGroup:
                 p.param.grad = None
 
     # -- .grad between backward and step ([Note: gradient stand-ins]) ---------------
+    @hollow.unguarded
     def cover_grads(self, reason: str) -> None:
         """Put a stand-in in every trainable parameter's ``.grad``, keeping what was there."""
         if self._covered is not None or not self.trainable:
@@ -425,6 +430,7 @@ class ParamGroup:
         for holder, stand_in in zip(holders, self._stand_ins, strict=True):
             holder.grad = stand_in
 
+    @hollow.unguarded
     def uncover_grads(self) -> None:
         """Put back the ``.grad`` each stand-in covered (a ``.grad`` the user replaced or
         set to None meanwhile stays as the user left it)."""
