@@ -49,14 +49,7 @@ from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig, check_setting_names
 from zerostate.coordinator import Coordinator
-from zerostate.engine_state import (
-    ENGINE_STATE_VERSION,
-    AppliedLoad,
-    LoadPlan,
-    check_document,
-    check_tensors,
-    check_tying,
-)
+from zerostate.engine_state import AppliedLoad, LoadPlan, check_tensors, check_tying
 from zerostate.errors import ConfigError, CorruptCheckpointError, ZerostateError
 from zerostate.optim import (
     OptimizerLoad,
@@ -76,6 +69,7 @@ from zerostate.runtime import mesh as meshes
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime, StageUsageError, holds_no_values
 from zerostate.sharded import ShardedParam, ShardView
+from zerostate.store.state_doc import ENGINE_STATE_VERSION, check_document
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 

@@ -1,8 +1,6 @@
-"""The engine-state document a checkpoint carries (its schema versions: what a save writes
-and what a load reads), and the plan of a load. The engine, the checkpointer and the
-readers of peers' checkpoints (which build an engine state for a DeepSpeed or DCP step)
-all need the versions; they live here, apart from the engine, so the store's readers do
-not import the engine.
+"""The plan of a load: the checks of an engine-state document against the engine that
+loads it, and what a load changes. The document itself (its schema and versions, and the
+check of its version) belongs to the store: :mod:`zerostate.store.state_doc`.
 
 [Note: planned load]
 A load is planned and checked completely before anything in the engine changes, so a
@@ -29,13 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zerostate.errors import CheckpointError, CorruptCheckpointError, FormatVersionError
+from zerostate.errors import CheckpointError
 from zerostate.optim import OptimizerLoad
-
-#: Version of the engine-state document a save writes.
-ENGINE_STATE_VERSION = 2
-#: Engine states of version 1 (built-in AdamW only, no optimizer metadata) still load.
-READABLE_ENGINE_STATES = (1, 2)
 
 #: Names an error lists before it only counts the rest.
 LISTED_NAMES = 10
@@ -65,23 +58,6 @@ class AppliedLoad:
 
     undo: Callable[[], None]
     fresh: frozenset[int]
-
-
-def check_document(state: Any) -> None:
-    """The document's version first, then its step count. Refusals are
-    :class:`CheckpointError` s, as every refused load's are, so ``except CheckpointError``
-    catches each."""
-    if not isinstance(state, dict):
-        raise CorruptCheckpointError(f"engine state must be a dict, got {type(state).__name__}")
-    version = state.get("version")
-    if version not in READABLE_ENGINE_STATES:
-        raise FormatVersionError(
-            f"engine state version {version!r} is not one of {READABLE_ENGINE_STATES}; "
-            "it was written by an incompatible zerostate"
-        )
-    step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise CorruptCheckpointError(f"engine state step={step!r} must be an integer >= 0")
 
 
 def check_tying(state: dict, tied: dict[str, str]) -> None:

@@ -40,8 +40,8 @@ from zerostate import jsonstate
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.muon import PartitionedMuon
 from zerostate.sharded import ShardedParam
+from zerostate.store.state_doc import OPTIMIZER_STATE_VERSION
 
-OPTIMIZER_STATE_VERSION = 1
 #: Param-group keys that choose a kernel, not the arithmetic: not saved, not restored, so a
 #: checkpoint does not depend on where the step ran (offload picks the fused host kernel).
 _KERNEL_KEYS = ("foreach", "fused")

@@ -1,6 +1,16 @@
 """The sharded state store: every rank writes one row object per state group (format 2;
 format 1 checkpoints are still read), any number of ranks read them back.
-``docs/format.md`` specifies the on-storage format."""
+``docs/format.md`` specifies the on-storage format.
+
+[Note: the store is the ground floor]
+The store reads, writes, inspects, verifies, consolidates and reshards checkpoints without
+the training code: the CLI on a host without a GPU, or another trainer saving through the
+store, neither pays for nor depends on the engine, its runtime, its optimizers or its
+checkpoint sessions. So no module here imports them; what the store must know of the
+engine's state document (its schema and versions) lives in ``zerostate.store.state_doc``,
+and the training side imports it from there. ``tests/store/test_store_imports.py`` checks
+it in a fresh interpreter.
+"""
 
 from zerostate.store.format import FORMAT_VERSION, ChunkedTensorInfo, ChunkRecord, TensorInfo
 from zerostate.store.format2 import RowTensorInfo

@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from zerostate.engine_state import ENGINE_STATE_VERSION
+from zerostate import jsonstate
 from zerostate.errors import CorruptCheckpointError
 from zerostate.partition import even_layout
 from zerostate.store.format import TensorInfo
 from zerostate.store.safe_unpickle import StoredTensor, TorchArchive
+from zerostate.store.state_doc import ENGINE_STATE_VERSION, OPTIMIZER_STATE_VERSION
 from zerostate.store.step_base import StepBase
 
 
@@ -178,9 +179,6 @@ def foreign_engine_state(
     ``tied`` or ``optimizer_class`` None mean the peer does not record them; the engine
     that loads the step fills in its own (``zerostate.checkpoint`` does, for foreign
     steps only)."""
-    from zerostate import jsonstate
-    from zerostate.optim import OPTIMIZER_STATE_VERSION
-
     state = {
         name: {
             "tensors": moments[name],
