@@ -259,20 +259,6 @@ def dd_fsync_seconds(directory: str | Path, nbytes: int) -> float:
     return seconds * nbytes / (count * 4 * MIB)
 
 
-def import_deepspeed() -> Any:
-    """``import deepspeed`` for a contender, without DeepSpeed's CPU shared-memory
-    all-reduce op: DeepSpeed compiles it with a C++ compiler the first time a process group
-    starts in an environment (about 2 minutes on a 2-core machine) and uses it only for
-    ``inference_all_reduce``. Training steps, ZeRO's collectives and checkpoints go through
-    torch.distributed either way, so no row measures anything it would have used (on a GPU
-    the op is not built at all)."""
-    import deepspeed
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return deepspeed
-
-
 def deepspeed_config(*, stage: int, micro_batch: int, world: int, bf16: bool = False,
                      extra: dict[str, Any] | None = None) -> dict:
     """DeepSpeed ZeRO ``stage`` with plain torch AdamW (``torch_adam``: no compiled

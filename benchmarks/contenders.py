@@ -128,7 +128,7 @@ def make(name: str, model: torch.nn.Module, ctx: Ctx, *, micro_batch: int,
 
 def make_deepspeed(model: torch.nn.Module, stage: int, ctx: Ctx, *, micro_batch: int,
                    bf16: bool = False, extra: dict | None = None) -> Trainer:
-    from benchmarks.common import import_deepspeed
+    from benchmarks.deepspeed_import import import_deepspeed
 
     deepspeed = import_deepspeed()
 

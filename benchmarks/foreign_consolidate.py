@@ -48,7 +48,7 @@ def _write(rank: int, world: int, port: int, kind: str, out: str, dim: int, laye
     model = build(dim, layers)
     x = torch.randn(2, dim)
     if kind == "ds":
-        from benchmarks.common import import_deepspeed
+        from benchmarks.deepspeed_import import import_deepspeed
 
         deepspeed = import_deepspeed()
 

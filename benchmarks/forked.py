@@ -166,7 +166,7 @@ def serve(preload: list[str]) -> None:
         try:
             for name in preload:
                 if name == "deepspeed":
-                    from benchmarks.common import import_deepspeed
+                    from benchmarks.deepspeed_import import import_deepspeed
 
                     import_deepspeed()
                 else:

@@ -66,7 +66,7 @@ def _run(task: str, params: dict) -> dict:
     backend = "nccl" if cuda else "gloo"
     timeout = datetime.timedelta(seconds=params.get("pg_timeout", 600))
     if task != "batch" and str(params.get("contender", "")).startswith("ds"):
-        from benchmarks.common import import_deepspeed
+        from benchmarks.deepspeed_import import import_deepspeed
 
         import_deepspeed().init_distributed(dist_backend=backend, timeout=timeout)
     else:

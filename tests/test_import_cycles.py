@@ -2,7 +2,7 @@
 function-level import still ties two modules' order of initialisation together and makes
 every refactor of either a puzzle. Imports under ``if TYPE_CHECKING:`` do not count (they
 never run); ``from package import submodule`` depends on the submodule, not on the
-package's ``__init__``."""
+package's ``__init__``. The benchmarks are held to the same rule."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("zerostate", "cli")
 
 
-def _modules() -> dict[str, Path]:
+def _modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     out = {}
-    for package in PACKAGES:
+    for package in packages:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -115,6 +115,16 @@ def test_no_import_cycle_in_the_library():
     assert "zerostate.engine" in modules and "zerostate_cli.main" in modules
     graph = {name: _imported(name, path, modules) for name, path in modules.items()}
     assert graph["zerostate.engine"], "the finder must see the engine's imports"
+    cycles = _cycles(graph)
+    detail = [" / ".join(f"{m} -> {sorted(set(graph[m]) & set(c))}" for m in c) for c in cycles]
+    assert not cycles, "import cycles:\n" + "\n".join(detail)
+
+
+def test_no_import_cycle_in_the_benchmarks():
+    modules = _modules(("benchmarks",))
+    assert "benchmarks.common" in modules and "benchmarks.forked" in modules
+    graph = {name: _imported(name, path, modules) for name, path in modules.items()}
+    assert graph["benchmarks.step"], "the finder must see the benchmarks' imports"
     cycles = _cycles(graph)
     detail = [" / ".join(f"{m} -> {sorted(set(graph[m]) & set(c))}" for m in c) for c in cycles]
     assert not cycles, "import cycles:\n" + "\n".join(detail)
