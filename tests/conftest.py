@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # server starts: huggingface_hub reads it when imported there.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import dist_pool  # noqa: E402
+import fork_server  # noqa: E402
 import helpers_dist  # noqa: E402
 from seaweed import S3Server, start_seaweedfs, stop_seaweedfs  # noqa: E402
 
@@ -39,11 +39,12 @@ def pytest_configure(config) -> None:
 
 # Files whose multi-rank tests run on the persistent worker pool (tests/dist_pool.py): only
 # the pool's own tests. Every other multi-rank call forks new workers from the fork
-# servers ([Note: forked workers]), which is cheaper and isolated by construction: a 4-rank
-# call of a trivial function costs 0.2 CPU s forked and 1.06 CPU s pooled (5 calls each on
-# this 2-core machine; the pool's isolation checks after each call, a full garbage
-# collection and scans of every module's attributes, cost more than a fork). The thirteen
-# files that used the pool took 157 CPU s forked against 207 CPU s pooled.
+# servers ([Note: forked workers] in tests/fork_server.py), which is cheaper and isolated
+# by construction: a 4-rank call of a trivial function costs 0.2 CPU s forked and 1.06
+# CPU s pooled (5 calls each on this 2-core machine; the pool's isolation checks after
+# each call, a full garbage collection and scans of every module's attributes, cost more
+# than a fork). The thirteen files that used the pool took 157 CPU s forked against 207
+# CPU s pooled.
 POOLED_FILES = {
     "tests/test_dist_pool.py",
 }
@@ -55,12 +56,15 @@ def _pool_context(request):
     says whether it may use them."""
     fresh = request.node.get_closest_marker("fresh_processes") is not None
     checked = request.node.nodeid.split("::")[0] in POOLED_FILES
-    with dist_pool.test_context(request.node.nodeid, pooled=checked and not fresh, spawn=fresh):
+    with fork_server.test_context(request.node.nodeid, pooled=checked and not fresh, spawn=fresh):
         yield
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    dist_pool.shutdown()
+    pool = sys.modules.get("dist_pool")  # imported by the pool's own tests only
+    if pool is not None:
+        pool.shutdown()
+    fork_server.stop_fork_servers()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -8,7 +8,7 @@ imports (measured on this machine), Lightning's ranks 7.7 s each. :func:`launch`
 rank what ``torchrun`` gives it (the environment variables ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``; ``sys.argv``; the script run as ``__main__``; its
-exit status) in a process forked from fork server r of tests/dist_pool.py's that also
+exit status) in a process forked from fork server r of tests/fork_server.py's that also
 imported the ``preload`` modules (started once per test process). What it does not
 give: the elastic agent (restarts, rendezvous) and a new interpreter. Tests of those keep
 real ``torchrun`` (tests/faults/test_torchrun_restart.py, tests/e2e/), and every example
@@ -26,8 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-import dist_pool
-from helpers_dist import free_port
+import fork_server
+from ports import free_port
 
 from benchmarks.forked import exit_status, torchrun_env
 
@@ -75,7 +75,7 @@ def launch(
         rank_env = torchrun_env(env, rank, nproc, port)
         out, err = workdir / f".rank{rank}.out", workdir / f".rank{rank}.err"
         files.append((out, err))
-        proc = dist_pool.forked_process(
+        proc = fork_server.forked_process(
             rank, _rank_main, (str(script), list(args), rank_env, str(out), str(err)), preload
         )
         proc.start()

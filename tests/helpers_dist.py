@@ -10,19 +10,18 @@ within ``timeout`` seconds is killed and raises ``TimeoutError``, so tests never
 are fine: they are pickled by value, not shared).
 
 The ranks are new processes forked from fork servers that imported torch and zerostate
-once ([Note: forked workers]); the pool's own tests use pooled workers (tests/dist_pool.py,
-[Note: pool isolation]) kept alive across tests. A test marked ``fresh_processes``, or a
-call with ``pooled=False``, gets spawned interpreters: what only a fresh interpreter shows
-(interpreter exit, process-group teardown, crashes, environment read at import, forking)
-needs them.
+once ([Note: forked workers] in tests/fork_server.py); the pool's own tests use pooled
+workers (tests/dist_pool.py, [Note: pool isolation]) kept alive across tests. A test
+marked ``fresh_processes``, or a call with ``pooled=False``, gets spawned interpreters:
+what only a fresh interpreter shows (interpreter exit, process-group teardown, crashes,
+environment read at import, forking) needs them. Ports come from tests/ports.py
+([Note: free ports]).
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -30,63 +29,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import dist_pool
-from dist_pool import LeakError, WorkerError
+import fork_server
+from fork_server import WorkerError
+from ports import free_port
 
-__all__ = ["LeakError", "WorkerError", "free_port", "run_distributed", "run_script"]
+__all__ = ["WorkerError", "free_port", "run_distributed", "run_script"]
 
 DEFAULT_TIMEOUT_S = 240.0
-
-
-#: Ports each pytest-xdist worker draws from ([Note: free ports]).
-PORT_BLOCK = 1000
-PORT_BASE = 20000
-_port_cursor: list[int] = []
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on, for a process group's store or a
-    server a test starts.
-
-    [Note: free ports]: a port the kernel hands out for ``bind(0)`` comes from the
-    ephemeral range, where any new connection (a gloo pair, an HTTP client) may take it
-    again between this check and the bind that needs it, and where a test on the other
-    xdist worker may draw the same one: that gave rare rendezvous failures ("Connection
-    closed by peer" in connectFullMesh) on a loaded machine. So each xdist worker draws
-    from a block of its own below the ephemeral range, in turn (the port a call used is
-    the last one its worker draws again), and skips ports something holds."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
-    first = PORT_BASE + index * PORT_BLOCK
-    if first + PORT_BLOCK > _ephemeral_low():  # no room below the range: ask the kernel
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    if not _port_cursor:
-        _port_cursor.append(os.getpid() % PORT_BLOCK)  # processes of one worker differ
-    for _ in range(PORT_BLOCK):
-        port = first + _port_cursor[0] % PORT_BLOCK
-        _port_cursor[0] += 1
-        if _bindable(port):
-            return port
-    raise RuntimeError(f"no free port in {first}-{first + PORT_BLOCK - 1}")
 
 
 def run_script(template: str, *, timeout: float = 120, **fields: Any):
@@ -119,7 +68,7 @@ def _worker(
     env: dict[str, str],
     pg_timeout_s: float,
 ) -> None:
-    dist_pool.enter_worker(sys_path, env)
+    fork_server.enter_worker(sys_path, env)
     import torch
     import torch.distributed as dist
 
@@ -160,7 +109,9 @@ def run_distributed(
     for processes forked from the fork servers ([Note: forked workers]): new processes
     that need no new interpreter (a peer that changes process-wide state, say)."""
     pg_timeout_s = max(30.0, timeout / 2)
-    if pooled or (pooled is None and dist_pool.pooling_allowed()):
+    if pooled or (pooled is None and fork_server.pooling_allowed()):
+        import dist_pool  # the pool's own tests only ([Note: pool isolation])
+
         return dist_pool.run_pooled(fn, world_size, args, kwargs, timeout, pg_timeout_s)
     if spawn is None:
         spawn = pooled is False  # asked for by name: a new interpreter
@@ -178,7 +129,7 @@ def _run_fresh(
 ) -> list[Any]:
     import torch.distributed as dist
 
-    ctx = dist_pool.start_context(spawn=spawn)
+    ctx = fork_server.start_context(spawn=spawn)
     results = ctx.Queue()
     port = free_port()
     # [Note: the store outlives the ranks]
@@ -196,7 +147,7 @@ def _run_fresh(
         wait_for_workers=False,
         timeout=timedelta(seconds=pg_timeout_s),
     )
-    with dist_pool.worker_environment() as env:
+    with fork_server.worker_environment() as env:
         procs = _start(ctx, fn, world_size, port, args, kwargs, results, env, pg_timeout_s)
     deadline = time.monotonic() + timeout
     got: dict[int, tuple[bool, Any]] = {}
@@ -254,7 +205,7 @@ def _start(
     procs = []
     for rank in range(world_size):
         worker_args = (fn, rank, world_size, port, args, kwargs, results, list(sys.path))
-        proc = dist_pool.new_process(ctx, rank, _worker, (*worker_args, env, pg_timeout_s))
+        proc = fork_server.new_process(ctx, rank, _worker, (*worker_args, env, pg_timeout_s))
         proc.start()
         procs.append(proc)
     return procs

@@ -11,10 +11,11 @@ import sys
 import threading
 import time
 
-import dist_pool
+import fork_server
 import pytest
 import torch
-from helpers_dist import LeakError, WorkerError, run_distributed
+from dist_pool import LeakError
+from helpers_dist import WorkerError, run_distributed
 
 _kept: list = []  # what a leaking call leaves reachable in its worker
 
@@ -269,7 +270,7 @@ def test_unpooled_calls_fork_new_workers_with_the_callers_environment(
     request: pytest.FixtureRequest, monkeypatch
 ) -> None:
     monkeypatch.setenv("ZEROSTATE_POOL_PROBE", "caller")
-    with dist_pool.test_context(request.node.nodeid, pooled=False):  # an unchecked file
+    with fork_server.test_context(request.node.nodeid, pooled=False):  # an unchecked file
         first, second = run_distributed(_pid, 2), run_distributed(_pid, 2)
         forked = run_distributed(_start_state, 2)
     assert set(first).isdisjoint(second) and os.getpid() not in first  # new processes
@@ -277,7 +278,7 @@ def test_unpooled_calls_fork_new_workers_with_the_callers_environment(
     # Ranks fork from fork servers of their own: hash seeds and RNG states differ, as
     # between spawned ranks, and a second call draws new RNG states.
     assert forked[0][2] != forked[1][2] and forked[0][3] != forked[1][3]
-    with dist_pool.test_context(request.node.nodeid, pooled=False):
+    with fork_server.test_context(request.node.nodeid, pooled=False):
         again = run_distributed(_start_state, 2)
     assert {r[3] for r in again}.isdisjoint(r[3] for r in forked)
     # pooled=False asks for a new interpreter by name; with spawn=False, for a fork.

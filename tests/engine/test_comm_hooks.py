@@ -13,7 +13,7 @@ from zerostate.comm import InFlight, PendingOp
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks wrap
 # torch.distributed's collectives to measure them and keep the wrappers. Each call forks new
-# processes ([Note: forked workers] in tests/dist_pool.py); nothing here needs a new interpreter,
+# processes ([Note: forked workers] in tests/fork_server.py); nothing here needs a new interpreter,
 # so the ranks are not spawned.
 
 _COLLECTIVES = (

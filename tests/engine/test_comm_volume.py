@@ -23,7 +23,7 @@ from zerostate.models.gpt2 import GPT2, GPT2Config
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks wrap
 # torch.distributed's collectives to count them and keep the wrappers. Each call forks new
-# processes ([Note: forked workers] in tests/dist_pool.py); nothing here needs a new interpreter,
+# processes ([Note: forked workers] in tests/fork_server.py); nothing here needs a new interpreter,
 # so the ranks are not spawned.
 
 # name -> (GPT2Config fields, tie the embedding)

@@ -18,7 +18,7 @@ from zerostate.store.consolidate import consolidate
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks change
 # torch._dynamo's config and fill its caches. Each call forks new processes ([Note: forked
-# workers] in tests/dist_pool.py); nothing here needs a new interpreter, so the ranks are not
+# workers] in tests/fork_server.py); nothing here needs a new interpreter, so the ranks are not
 # spawned.
 
 STEPS = 3

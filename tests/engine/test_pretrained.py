@@ -16,7 +16,7 @@ from torch import nn
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks wrap
 # SafetensorsSource.read_elements to count bytes and keep the wrapper. Each call forks new
-# processes ([Note: forked workers] in tests/dist_pool.py); nothing here needs a new interpreter,
+# processes ([Note: forked workers] in tests/fork_server.py); nothing here needs a new interpreter,
 # so the ranks are not spawned.
 
 transformers = pytest.importorskip("transformers")

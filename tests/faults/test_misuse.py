@@ -15,7 +15,7 @@ from helpers_dist import run_distributed  # noqa: E402
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks misuse the
 # engine on purpose and may leave it mid-save. Each call forks new processes ([Note: forked
-# workers] in tests/dist_pool.py); nothing here needs a new interpreter, so the ranks are not
+# workers] in tests/fork_server.py); nothing here needs a new interpreter, so the ranks are not
 # spawned.
 
 

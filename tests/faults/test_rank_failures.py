@@ -24,7 +24,7 @@ from helpers_dist import run_distributed  # noqa: E402
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks fail, fill
 # disks and set the commit timeout in the environment. Each call forks new processes ([Note:
-# forked workers] in tests/dist_pool.py); nothing here needs a new interpreter, so the ranks are
+# forked workers] in tests/fork_server.py); nothing here needs a new interpreter, so the ranks are
 # not spawned.
 
 #: Every rank must have raised within this many seconds of the failure.
