@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,9 +114,12 @@ def non_persistent_buffers(model: nn.Module) -> list[str]:
 #   ranks it is left as torch's ``parallelize_module`` left it (torch never broadcasts a
 #   buffer there, and a sharded buffer's pieces differ by design). A DTensor whose
 #   placements are all ``Replicate()`` holds its whole value locally, so it is saved
-#   whole, from the step's rank 0, and loads back in place, bit for bit. A persistent
-#   buffer sharded across ranks (``Shard``/``Partial``) is refused at save and load,
-#   naming it: saving it would need its pieces gathered, which the engine does not do yet.
+#   whole, from the step's rank 0, and loads back in place, bit for bit. One sharded
+#   (``Shard(d)``) on the engine's ``tp`` mesh is saved as a parameter is, as its tp x dp
+#   pieces of the global tensor ([Note: tensor-parallel checkpoints] in
+#   zerostate.runtime.tp_checkpoint), so any layout reads it and each rank loads its own
+#   shard in place. Any other placement (``Partial``, or sharded over a mesh that is not
+#   the engine's ``tp``) is refused at save and load, naming the buffer.
 # * A complex buffer is stored as its real pairs ([Note: complex tensors] in
 #   zerostate.store.format), read back into the buffer's own memory bit for bit.
 def buffer_to_sync(buf: torch.Tensor, tp_mesh: Any = None) -> torch.Tensor | None:
@@ -133,27 +137,47 @@ def buffer_to_sync(buf: torch.Tensor, tp_mesh: Any = None) -> torch.Tensor | Non
     return None
 
 
-def stored_buffer(name: str, buf: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """``(tensor, attrs)`` a checkpoint stores for persistent buffer ``name``: its own
-    memory (a DTensor's local tensor; a complex one as its real pairs), so a load reads
-    straight into it ([Note: buffers as torch treats them])."""
+@dataclass(frozen=True)
+class StoredBuffer:
+    """What a checkpoint holds of one persistent buffer ([Note: buffers as torch treats
+    them]): ``local`` is the buffer's own memory as stored (a DTensor's local tensor; a
+    complex one as its real pairs), so a load reads straight into it; ``shape`` the stored
+    global shape; ``tp_dim`` the dimension a DTensor buffer is sharded along the engine's
+    ``tp`` mesh (None: whole on every rank)."""
+
+    local: torch.Tensor
+    attrs: dict
+    shape: tuple[int, ...]
+    tp_dim: int | None = None
+
+
+def stored_buffer(name: str, buf: torch.Tensor, tp_mesh: Any = None) -> StoredBuffer:
+    """How persistent buffer ``name`` is stored; ``tp_mesh``: the engine's ``tp`` mesh,
+    the one mesh a sharded DTensor buffer may be on. Raises ``ConfigError`` naming the
+    buffer for what cannot be stored."""
     from zerostate import collectives
     from zerostate.store import format as fmt
 
-    local = buf
+    local, tp_dim = buf, None
     if collectives.is_dtensor(buf):
         placements = collectives.dtensor_placements(buf)
-        if any(p != "replicate" for p in placements):
+        sharded = [p for p in placements if p != "replicate"]
+        on_tp = tp_mesh is not None and buf.device_mesh == tp_mesh
+        if sharded and not (on_tp and len(sharded) == 1 and sharded[0].startswith("shard(")):
             raise ConfigError(
-                f"buffer {name!r} is a DTensor with placements {placements}; the engine "
-                "saves and loads DTensor buffers whose placements are all Replicate(). "
-                "Register it with persistent=False if the model recomputes it (as a RoPE "
-                "cache), or replicate it (DTensor.redistribute(mesh, [Replicate()]))"
+                f"buffer {name!r} is a DTensor with placements {placements} on mesh "
+                f"{buf.device_mesh.mesh_dim_names}; the engine saves a DTensor buffer that "
+                "is replicated, or sharded (Shard(d)) on the mesh's 'tp' dimension. Register "
+                "it with persistent=False if the model recomputes it (as a RoPE cache), or "
+                "redistribute it (DTensor.redistribute(mesh, [Replicate()]))"
             )
+        if sharded:
+            tp_dim = int(sharded[0][len("shard(") : -1])
         local = collectives.dtensor_local(buf)
     stored, attrs = fmt.as_real_pairs(local)
     fmt.dtype_name(stored.dtype, f"buffers/{name}")  # refused here, naming the buffer
-    return stored, attrs
+    shape = tuple(buf.shape) + tuple(stored.shape[local.dim() :])  # + (2,) for pairs
+    return StoredBuffer(stored, attrs, shape, tp_dim)
 
 
 def check_compile(model: nn.Module, stage: int) -> None:

@@ -1130,23 +1130,27 @@ class Engine:
                         f"{kind}/{sp.name}", sp.shape, torch.float32, sp.layout, tensor, start
                     )
                 )
+        tp_mesh = self._tp.mesh if self._tp is not None else None
+        sharded: dict[str, int] = {}  # buffers sharded over tp: view name -> tp dim
         for name, buf in self._named_buffers(saved=True):
-            stored, attrs = adapt.stored_buffer(name, buf)
-            numel = stored.numel()
+            stored = adapt.stored_buffer(name, buf, tp_mesh)
+            numel = stored.local.numel()
             layout = TensorLayout(numel, self.world_size, max(1, numel), 0)
+            if stored.tp_dim is not None:
+                sharded[f"buffers/{name}"] = stored.tp_dim
             views.append(
                 ShardView(
                     f"buffers/{name}",
-                    tuple(stored.shape),
-                    stored.dtype,
+                    stored.shape,
+                    stored.local.dtype,
                     layout,
-                    stored.view(-1),
+                    stored.local.view(-1),
                     0,
-                    attrs=attrs or None,
+                    attrs=stored.attrs or None,
                 )
             )
         if self.checkpoint_world is not None:  # tp x dp pieces of global tensors
-            return tp_checkpoint.mesh_views(views, self._params, self.checkpoint_world)
+            return tp_checkpoint.mesh_views(views, self._params, self.checkpoint_world, sharded)
         return views
 
     def engine_state(self) -> dict:
@@ -1233,8 +1237,9 @@ class Engine:
                 keys = [k for k, _ in self._optimizer.state_tensors(sp)]
             for key in keys:
                 needed[f"optim/{key}/{sp.name}"] = shape
+        tp_mesh = self._tp.mesh if self._tp is not None else None
         for name, buf in self._named_buffers(saved=True):
-            needed[f"buffers/{name}"] = tuple(adapt.stored_buffer(name, buf)[0].shape)
+            needed[f"buffers/{name}"] = adapt.stored_buffer(name, buf, tp_mesh).shape
         return needed
 
     def apply_load(self, plan: LoadPlan, read: Collection[str] = ()) -> AppliedLoad:

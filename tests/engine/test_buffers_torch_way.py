@@ -273,7 +273,9 @@ class TPNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rot = torch.view_as_real(_local(self.freqs_cis)).sum()
         h = _local(self.down(torch.relu(self.up(x))))
-        return (h * _local(self.scale)).square().mean() + 0 * rot
+        scale = self.scale  # a sharded buffer is gathered to be used whole
+        scale = scale.full_tensor() if hasattr(scale, "full_tensor") else scale
+        return (h * scale).square().mean() + 0 * rot
 
 
 def _tp_model(mesh, placement: str = "replicate") -> TPNet:
@@ -296,7 +298,7 @@ def _tp_model(mesh, placement: str = "replicate") -> TPNet:
     return model
 
 
-def _tp_worker(rank: int, world_size: int, root: str, phase: str) -> dict:
+def _tp_worker(rank: int, world_size: int, root: str, phase: str, placement: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     if phase == "load_plain":  # the same step without tensor parallelism
@@ -306,15 +308,9 @@ def _tp_worker(rank: int, world_size: int, root: str, phase: str) -> dict:
             engine.load(root)
             return {"scale": _bits(model.scale)}
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    model = _tp_model(mesh["tp"], "shard" if phase == "save_sharded" else "replicate")
+    model = _tp_model(mesh["tp"], placement)
     # Default settings: sync_module_states=True broadcasts over data parallelism only.
     with zerostate.Engine(model, mesh=mesh, stage=3, lr=1e-2) as engine:
-        if phase == "save_sharded":
-            try:
-                engine.save(root)
-            except ZerostateError as exc:  # rank 0's own error, a pointer to it elsewhere
-                return {"error": str(exc)}
-            return {"error": None}
         if phase == "save":
             _step(engine, model, 0)
             with torch.no_grad():
@@ -328,27 +324,61 @@ def _tp_worker(rank: int, world_size: int, root: str, phase: str) -> dict:
         return {"scale": _bits(model.scale), "freqs": _bits(model.freqs_cis)}
 
 
-def test_tensor_parallel_model_with_dtensor_buffers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+def test_tensor_parallel_model_with_dtensor_buffers(tmp_path: Path, placement: str) -> None:
+    """torch's tensor parallelism over 2 ranks; the persistent buffer replicated or
+    sharded over tp, the RoPE cache a non-persistent replicated DTensor."""
     root = str(tmp_path / "ckpt")
-    saved = run_distributed(_tp_worker, 2, root, "save", timeout=300)
-    assert saved[0] == saved[1]
+    saved = run_distributed(_tp_worker, 2, root, "save", placement, timeout=300)
+    assert saved[0]["freqs"] == saved[1]["freqs"]
+    expected = torch.linspace(0.5, 1.5, 6) / 3  # as the ranks computed it: each its shard
+    if placement == "replicate":
+        assert saved[0]["scale"] == saved[1]["scale"]
+        full = saved[0]["scale"]
+    else:
+        full = saved[0]["scale"] + saved[1]["scale"]  # Shard(0): rank 0's rows, then rank 1's
+    assert len(full) == expected.numel()
     st = open_checkpoint(root).step()
     assert {n for n in st.tensors if n.startswith("buffers/")} == {"buffers/scale"}
-    loaded = run_distributed(_tp_worker, 2, root, "load", timeout=300)
+    assert tuple(st.tensors["buffers/scale"].shape) == (6,)
+    loaded = run_distributed(_tp_worker, 2, root, "load", placement, timeout=300)
     zeros = _bits(torch.zeros(4, 3, dtype=torch.complex64))
-    for got in loaded:  # the persistent one loaded, the RoPE cache left as it was
-        assert got == {"scale": saved[0]["scale"], "freqs": zeros}
-    plain = run_distributed(_tp_worker, 1, root, "load_plain", timeout=300)[0]
-    assert plain["scale"] == saved[0]["scale"]
+    for r, got in enumerate(loaded):  # the persistent one loaded, the RoPE cache left alone
+        assert got == {"scale": saved[r]["scale"], "freqs": zeros}
+    plain = run_distributed(_tp_worker, 1, root, "load_plain", placement, timeout=300)[0]
+    assert plain["scale"] == full
     out = tmp_path / "m.safetensors"
     consolidate(root, str(out))
     tensors = load_file(str(out))
-    assert "freqs_cis" not in tensors and _bits(tensors["scale"]) == saved[0]["scale"]
+    assert "freqs_cis" not in tensors and _bits(tensors["scale"]) == full
 
 
-def test_sharded_dtensor_buffer_is_refused_at_save_naming_it(tmp_path: Path) -> None:
-    results = run_distributed(_tp_worker, 2, str(tmp_path / "ckpt"), "save_sharded", timeout=300)
+def _sharded_elsewhere_worker(rank: int, world_size: int, root: str) -> dict:
+    """Data parallelism over a model whose buffer is sharded over a mesh of the same
+    ranks, which the engine has no tensor-parallel dimension for."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    model = Cached()
+    mesh = init_device_mesh("cpu", (world_size,))
+    model.scale = distribute_tensor(model.scale, mesh, [Shard(0)])
+    with zerostate.Engine(model, stage=2, lr=1e-2) as engine:
+        kept = _bits(model.scale)  # left alone: its pieces differ by design
+        try:
+            engine.save(root)
+        except ZerostateError as exc:  # rank 0's own error, a pointer to it elsewhere
+            return {"kept": kept, "error": str(exc)}
+        return {"kept": kept, "error": None}
+
+
+def test_dtensor_buffer_sharded_off_the_tp_mesh_is_left_alone_and_refused_at_save(
+    tmp_path: Path,
+) -> None:
+    results = run_distributed(_sharded_elsewhere_worker, 2, str(tmp_path / "c"), timeout=300)
+    full = _bits(torch.linspace(0.5, 1.5, 6))
+    assert [r["kept"] for r in results] == [full[:3], full[3:]]
     assert all(r["error"] is not None for r in results)
     assert "buffer 'scale'" in results[0]["error"] and "persistent=False" in results[0]["error"]
     with pytest.raises(CheckpointError):
-        open_checkpoint(str(tmp_path / "ckpt")).step()
+        open_checkpoint(str(tmp_path / "c")).step()
