@@ -183,6 +183,13 @@ def test_complex_buffers_round_trip_bit_for_bit(tmp_path: Path) -> None:
     assert _bits(torch.view_as_complex(tensors["phase"])) == saved["phase"]
     assert tensors["lin.weight"].dtype == torch.bfloat16
 
+    # The way out to DCP (`zerostate convert --to dcp`) hands FSDP2 the complex tensors.
+    from zerostate.store.foreign.dcp_write import dcp_state_dict
+
+    model = dcp_state_dict(open_checkpoint(root).step())["model"]
+    assert (model["rot"].dtype, model["phase"].dtype) == (torch.complex64, torch.complex128)
+    assert _bits(model["rot"]) == saved["rot"] and _bits(model["phase"]) == saved["phase"]
+
 
 def test_unstorable_dtypes_name_the_tensor() -> None:
     from zerostate.partition import even_layout

@@ -165,9 +165,9 @@ def export_entries(
     real pairs ([Note: complex tensors] in zerostate.store.format), is never cast: a
     complex64 one is written as safetensors' C64, a complex128 one (which safetensors
     cannot hold) as its float64 real pairs with a last dimension of 2, and a warning says
-    so. The order is the step's tensor
-    order, stably sorted by item size (largest first) so every tensor starts aligned to its
-    item size, as the safetensors serializer itself arranges.
+    so. The order is the step's tensor order, stably sorted by item size (largest first)
+    so every tensor starts aligned to its item size, as the safetensors serializer itself
+    arranges.
     """
     entries: list[ExportEntry] = []
     seen: dict[str, str] = {}
