@@ -201,6 +201,22 @@ def test_unstorable_dtypes_name_the_tensor() -> None:
         TensorSpec("model/q", (2,), torch.float8_e4m3fnuz, even_layout(2, 1))
 
 
+def test_save_tensors_stores_complex_tensors_as_real_pairs(tmp_path: Path) -> None:
+    from zerostate.store.tensors import save_tensors
+
+    g = torch.Generator().manual_seed(2)
+    c = torch.randn(3, 5, dtype=torch.complex64, generator=g)
+    save_tensors(str(tmp_path), 1, {"buffers/c": c, "model/w": torch.ones(4)}, world_size=2)
+    st = open_checkpoint(str(tmp_path)).step()
+    info = st.tensors["buffers/c"]
+    assert (info.dtype, tuple(info.shape), info.attrs) == (
+        torch.float32,
+        (3, 5, 2),
+        {COMPLEX_ATTR: "complex64"},
+    )
+    assert _bits(torch.view_as_complex(st.read("buffers/c").reshape(3, 5, 2))) == _bits(c)
+
+
 def test_complex_attr_from_storage_is_checked() -> None:
     from zerostate.errors import CorruptCheckpointError
     from zerostate.store.format import complex_dtype
