@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,11 +92,92 @@ def buffers_with_persistence(model: nn.Module) -> list[tuple[str, torch.Tensor, 
 
 
 def non_persistent_buffers(model: nn.Module) -> list[str]:
-    """Canonical names of the buffers ``model.state_dict()`` leaves out. Checkpoints keep
-    them, so a resume restores them exactly; a consolidated export leaves them out, as
-    ``state_dict`` does."""
+    """Canonical names of the buffers ``model.state_dict()`` leaves out; checkpoints leave
+    them out too ([Note: buffers as torch treats them])."""
     buffers = buffers_with_persistence(model)
     return sorted({canonical_name(n) for n, _, persistent in buffers if not persistent})
+
+
+# [Note: buffers as torch treats them]
+# * A non-persistent buffer (``register_buffer(..., persistent=False)``: a rotary
+#   ``inv_freq`` or ``freqs_cis``) is what the model recomputes from its configuration;
+#   ``state_dict()`` leaves it out and ``load_state_dict`` neither wants nor restores it.
+#   The engine does the same: a save does not write it, a load neither reads nor misses
+#   it (an older step that holds one is read without it), so ``consolidate`` never sees
+#   it. Only its start-up value is made equal on every rank (``sync_module_states``).
+# * A buffer that is a DTensor (torch's tensor parallelism, or a model that distributes
+#   its own cache) is computed with through its local tensor, which is what the engine
+#   broadcasts, saves and loads. ``sync_module_states`` broadcasts that local tensor over
+#   the data-parallel group(s) only, as it does a DTensor parameter's local shard: the
+#   data-parallel peers of a rank hold the same tensor-parallel coordinate, so the first
+#   peer's local tensor is the right value for all of them. Across the tensor-parallel
+#   ranks it is left as torch's ``parallelize_module`` left it (torch never broadcasts a
+#   buffer there, and a sharded buffer's pieces differ by design). A DTensor whose
+#   placements are all ``Replicate()`` holds its whole value locally, so it is saved
+#   whole, from the step's rank 0, and loads back in place, bit for bit. One sharded
+#   (``Shard(d)``) on the engine's ``tp`` mesh is saved as a parameter is, as its tp x dp
+#   pieces of the global tensor ([Note: tensor-parallel checkpoints] in
+#   zerostate.runtime.tp_checkpoint), so any layout reads it and each rank loads its own
+#   shard in place. Any other placement (``Partial``, or sharded over a mesh that is not
+#   the engine's ``tp``) is refused at save and load, naming the buffer.
+# * A complex buffer is stored as its real pairs ([Note: complex tensors] in
+#   zerostate.store.format), read back into the buffer's own memory bit for bit.
+def buffer_to_sync(buf: torch.Tensor, tp_mesh: Any = None) -> torch.Tensor | None:
+    """The tensor ``sync_module_states`` broadcasts over the data-parallel group(s) for
+    buffer ``buf``: ``buf`` itself; a DTensor's local tensor when its data-parallel peers
+    hold the same piece (all placements ``Replicate()``, or on the engine's ``tp`` mesh
+    ``tp_mesh``); None, left alone, for a DTensor sharded over another mesh."""
+    from zerostate import collectives
+
+    if not collectives.is_dtensor(buf):
+        return buf
+    replicated = all(p == "replicate" for p in collectives.dtensor_placements(buf))
+    if replicated or (tp_mesh is not None and buf.device_mesh == tp_mesh):
+        return collectives.dtensor_local(buf)
+    return None
+
+
+@dataclass(frozen=True)
+class StoredBuffer:
+    """What a checkpoint holds of one persistent buffer ([Note: buffers as torch treats
+    them]): ``local`` is the buffer's own memory as stored (a DTensor's local tensor; a
+    complex one as its real pairs), so a load reads straight into it; ``shape`` the stored
+    global shape; ``tp_dim`` the dimension a DTensor buffer is sharded along the engine's
+    ``tp`` mesh (None: whole on every rank)."""
+
+    local: torch.Tensor
+    attrs: dict
+    shape: tuple[int, ...]
+    tp_dim: int | None = None
+
+
+def stored_buffer(name: str, buf: torch.Tensor, tp_mesh: Any = None) -> StoredBuffer:
+    """How persistent buffer ``name`` is stored; ``tp_mesh``: the engine's ``tp`` mesh,
+    the one mesh a sharded DTensor buffer may be on. Raises ``ConfigError`` naming the
+    buffer for what cannot be stored."""
+    from zerostate import collectives
+    from zerostate.store import format as fmt
+
+    local, tp_dim = buf, None
+    if collectives.is_dtensor(buf):
+        placements = collectives.dtensor_placements(buf)
+        sharded = [p for p in placements if p != "replicate"]
+        on_tp = tp_mesh is not None and buf.device_mesh == tp_mesh
+        if sharded and not (on_tp and len(sharded) == 1 and sharded[0].startswith("shard(")):
+            raise ConfigError(
+                f"buffer {name!r} is a DTensor with placements {placements} on mesh "
+                f"{buf.device_mesh.mesh_dim_names}; the engine saves a DTensor buffer that "
+                "is replicated, or sharded (Shard(d)) on the mesh's 'tp' dimension. Register "
+                "it with persistent=False if the model recomputes it (as a RoPE cache), or "
+                "redistribute it (DTensor.redistribute(mesh, [Replicate()]))"
+            )
+        if sharded:
+            tp_dim = int(sharded[0][len("shard(") : -1])
+        local = collectives.dtensor_local(buf)
+    stored, attrs = fmt.as_real_pairs(local)
+    fmt.dtype_name(stored.dtype, f"buffers/{name}")  # refused here, naming the buffer
+    shape = tuple(buf.shape) + tuple(stored.shape[local.dim() :])  # + (2,) for pairs
+    return StoredBuffer(stored, attrs, shape, tp_dim)
 
 
 def check_compile(model: nn.Module, stage: int) -> None:

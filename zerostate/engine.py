@@ -426,7 +426,13 @@ class Engine:
         self._init_buffers()
         if config.sync_module_states and not any(p.is_meta for _, p in named):
             with torch.no_grad():
-                states = [p.data for _, p in local] + [b for _, b in adapt.replicated_state(model)]
+                # A DTensor buffer goes as its local tensor ([Note: buffers as torch
+                # treats them] in zerostate.adapt).
+                tp_mesh = self._tp.mesh if self._tp is not None else None
+                buffers = [
+                    adapt.buffer_to_sync(b, tp_mesh) for _, b in adapt.replicated_state(model)
+                ]
+                states = [p.data for _, p in local] + [b for b in buffers if b is not None]
                 states = [t for t in states if t.numel()]
                 if self._mesh is not None:
                     meshes.broadcast_from_first(states, self._mesh)
@@ -555,16 +561,19 @@ class Engine:
         return resolve_user_optimizers(optimizer, list(model.named_parameters()))
 
     def _init_buffers(self) -> None:
-        # Buffers are replicated; rank 0 checkpoints each one whole.
+        # Buffers are replicated; rank 0 checkpoints each persistent one whole.
         for module in self.module.modules():
             for n, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
-                if not b.is_meta and not b.is_contiguous():
+                if not b.is_meta and not collectives.is_dtensor(b) and not b.is_contiguous():
                     setattr(module, n, b.contiguous())  # stays a buffer, same persistence
         state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
         self._buffer_names = [n for n, _ in state]
         self._non_persistent = adapt.non_persistent_buffers(self.module)
-        self._buffer_layouts = [
-            TensorLayout(b.numel(), self.world_size, max(1, b.numel()), 0) for _, b in state
+        # What checkpoints hold: non-persistent buffers are neither saved nor loaded
+        # ([Note: buffers as torch treats them] in zerostate.adapt).
+        skip = set(self._non_persistent)
+        self._saved_buffer_names = [
+            n for n in self._buffer_names if adapt.canonical_name(n) not in skip
         ]
 
     def _build_optimizer(self) -> ShardedOptimizer:
@@ -1094,9 +1103,12 @@ class Engine:
         return self._optimizer.optimizer
 
     # -- state access ----------------------------------------------------------------------
-    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+    def _named_buffers(self, saved: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Every buffer (and frozen integer parameter), canonical names; ``saved``: only
+        those a checkpoint holds (the persistent ones)."""
         buffers = dict(adapt.replicated_state(self.module))
-        return [(adapt.canonical_name(n), buffers[n]) for n in self._buffer_names]
+        names = self._saved_buffer_names if saved else self._buffer_names
+        return [(adapt.canonical_name(n), buffers[n]) for n in names]
 
     def state_views(self) -> list[ShardView]:
         """Every logical tensor's live local state; see the checkpoint contract."""
@@ -1112,12 +1124,27 @@ class Engine:
                         f"{kind}/{sp.name}", sp.shape, torch.float32, sp.layout, tensor, start
                     )
                 )
-        for (name, buf), layout in zip(self._named_buffers(), self._buffer_layouts, strict=True):
+        tp_mesh = self._tp.mesh if self._tp is not None else None
+        sharded: dict[str, int] = {}  # buffers sharded over tp: view name -> tp dim
+        for name, buf in self._named_buffers(saved=True):
+            stored = adapt.stored_buffer(name, buf, tp_mesh)
+            numel = stored.local.numel()
+            layout = TensorLayout(numel, self.world_size, max(1, numel), 0)
+            if stored.tp_dim is not None:
+                sharded[f"buffers/{name}"] = stored.tp_dim
             views.append(
-                ShardView(f"buffers/{name}", tuple(buf.shape), buf.dtype, layout, buf.view(-1), 0)
+                ShardView(
+                    f"buffers/{name}",
+                    stored.shape,
+                    stored.local.dtype,
+                    layout,
+                    stored.local.view(-1),
+                    0,
+                    attrs=stored.attrs or None,
+                )
             )
         if self.checkpoint_world is not None:  # tp x dp pieces of global tensors
-            return tp_checkpoint.mesh_views(views, self._params, self.checkpoint_world)
+            return tp_checkpoint.mesh_views(views, self._params, self.checkpoint_world, sharded)
         return views
 
     def engine_state(self) -> dict:
@@ -1180,13 +1207,9 @@ class Engine:
             # Before the groups: "the step lacks these tensors" says more about a checkpoint
             # of another model than "other param groups" does.
             step = state["step"] if step is None else step
+            # Non-persistent buffers are not needed: a load leaves them as they are, as
+            # torch's load_state_dict does ([Note: buffers as torch treats them]).
             needed = self._planned_tensors(keys)
-            # A non-persistent buffer (a rotary inv_freq) is not in torch's state_dict, so a
-            # peer's checkpoint never holds it: the model's own value stays, as with torch's
-            # load_state_dict. The engine's own steps hold it and restore it.
-            for name in self._non_persistent:
-                if f"buffers/{name}" not in stored:
-                    needed.pop(f"buffers/{name}", None)
             check_tensors(needed, stored, strict=strict, where=where, step=step)
         hyper, mixed = self._optimizer.plan_groups(meta, strict=strict)
         optimizer = OptimizerLoad(keys, scalars, tuple(hyper), tuple(mixed))
@@ -1208,8 +1231,9 @@ class Engine:
                 keys = [k for k, _ in self._optimizer.state_tensors(sp)]
             for key in keys:
                 needed[f"optim/{key}/{sp.name}"] = shape
-        for name, buf in self._named_buffers():
-            needed[f"buffers/{name}"] = tuple(buf.shape)
+        tp_mesh = self._tp.mesh if self._tp is not None else None
+        for name, buf in self._named_buffers(saved=True):
+            needed[f"buffers/{name}"] = adapt.stored_buffer(name, buf, tp_mesh).shape
         return needed
 
     def apply_load(self, plan: LoadPlan, read: Collection[str] = ()) -> AppliedLoad:

@@ -45,6 +45,9 @@ class ShardView:
     piece: tuple[int, int] | None = None
     """The ``(tp index, dp rank)`` piece this rank writes (None: another tp rank writes
     this replicated tensor's pieces)."""
+    attrs: dict | None = None
+    """Stored with the tensor: ``{COMPLEX_ATTR: ...}`` for a complex buffer, which the view
+    holds as its real pairs ([Note: complex tensors] in zerostate.store.format)."""
 
 
 class ShardedParam:

@@ -167,11 +167,12 @@ def test_export_leaves_out_non_persistent_buffers(tmp_path: Path) -> None:
     results = run_distributed(_buffers_worker, 2, str(tmp_path), timeout=300)
     expected = sorted(Rotary().state_dict())
     for stage in (0, 3):
-        for r in results:  # the checkpoint keeps them: a resume restores them exactly
-            assert r[stage] == ((torch.arange(6.0) / 7).tolist(), [1.0, 1.0, 1.0])
+        for r in results:  # not in the checkpoint: a load leaves them as load_state_dict does
+            assert r[stage] == ([0.0] * 6, [0.0, 0.0, 0.0])
         root = str(tmp_path / f"s{stage}")
         st = open_checkpoint(root).step()
-        assert {"buffers/inv", "buffers/h.1.cache", "buffers/h.1.scale"} <= set(st.tensors)
+        assert "buffers/h.1.scale" in st.tensors
+        assert not {"buffers/inv", "buffers/h.1.cache"} & set(st.tensors)
         assert st.attrs["engine"]["non_persistent_buffers"] == ["h.1.cache", "inv"]
         out = tmp_path / f"s{stage}.safetensors"
         consolidate(root, str(out))

@@ -52,7 +52,9 @@ def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
     for view in views:
         if view.mesh is not None:
             layout = stored_layout(view.mesh, world_size, view.name)
-            spec = TensorSpec(view.name, tuple(view.shape), view.dtype, layout, mesh=view.mesh)
+            spec = TensorSpec(
+                view.name, tuple(view.shape), view.dtype, layout, view.attrs, mesh=view.mesh
+            )
             lo, hi = layout.owned_range(rank)
             source = saved_piece(view, hi - lo) if view.piece is not None and hi > lo else None
             pieces.append(Piece(spec, source if source is not None else view.local[:0]))
@@ -65,7 +67,7 @@ def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
                 f"{view.local_start + view.local.numel()}) but rank {rank} owns [{lo}, {hi})"
             )
         source = view.local.reshape(-1)[start : start + (hi - lo)] if hi > lo else None
-        spec = TensorSpec(view.name, tuple(view.shape), view.dtype, view.layout)
+        spec = TensorSpec(view.name, tuple(view.shape), view.dtype, view.layout, view.attrs)
         pieces.append(Piece(spec, source if source is not None else view.local[:0]))
     return pieces
 

@@ -90,10 +90,15 @@ def mesh_of(param: Any, world: CheckpointWorld) -> MeshLayout:
 
 
 def mesh_views(
-    views: list[ShardView], params: list[Any], world: CheckpointWorld
+    views: list[ShardView],
+    params: list[Any],
+    world: CheckpointWorld,
+    sharded_buffers: dict[str, int] | None = None,
 ) -> list[ShardView]:
     """The engine's views with their tp x dp layouts (parameter and optimizer-state views,
-    in ``state_views`` order: each parameter's views first, then buffers)."""
+    in ``state_views`` order: each parameter's views first, then buffers).
+    ``sharded_buffers``: the buffer views (name -> tp dim) of DTensor buffers sharded over
+    tp, whose views hold the whole local shard; they are stored as parameters are."""
     layouts = {}
     for sp in params:
         mesh = mesh_of(sp.param, world)
@@ -104,6 +109,15 @@ def mesh_views(
         if kind == "optim":
             name = name.partition("/")[2]
         mesh = layouts.get(name) if kind in ("model", "optim") else None
+        tp_dim = (sharded_buffers or {}).get(view.name) if kind == "buffers" else None
+        if tp_dim is not None:
+            mesh = MeshLayout(
+                shape=view.shape, tp_dim=tp_dim, tp_degree=world.tp_size, dp_shard=world.dp_size
+            )
+            layout = mesh.dp_layout(world.tp_rank)
+            piece = (world.tp_rank, world.dp_rank)
+            out.append(replace(view, layout=layout, mesh=mesh, tp_index=world.tp_rank, piece=piece))
+            continue
         if mesh is None:  # a buffer: one chunk, written by the step's rank 0
             numel = view.layout.numel
             layout = TensorLayout(numel, world.world_size, max(1, numel), 0)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from zerostate.errors import ConfigError, CorruptCheckpointError
+from zerostate.store import format as fmt
 from zerostate.store.protocol import CheckpointSource
 from zerostate.store.sources import open_source
 from zerostate.store.storage import location_contains
@@ -66,6 +67,7 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.complex64: "C64",  # safetensors has no complex128 ([Note: complex tensors])
 }
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -131,6 +133,9 @@ class ExportEntry:
     shape: tuple[int, ...]
     dtype: torch.dtype  # dtype written (after the optional cast)
     numel: int
+    #: The stored real pairs of a complex tensor, written as that complex tensor (the same
+    #: bytes, no cast).
+    pairs: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -156,9 +161,13 @@ def export_entries(
     leaving out the buffers named in ``skip`` (see ``non_persistent_names``).
 
     Floating-point tensors are cast to ``dtype`` when given; integer and bool buffers
-    (step counters, position ids, masks) keep their dtype. The order is the step's tensor
-    order, stably sorted by item size (largest first) so every tensor starts aligned to its
-    item size, as the safetensors serializer itself arranges.
+    (step counters, position ids, masks) keep their dtype. A complex tensor, stored as its
+    real pairs ([Note: complex tensors] in zerostate.store.format), is never cast: a
+    complex64 one is written as safetensors' C64, a complex128 one (which safetensors
+    cannot hold) as its float64 real pairs with a last dimension of 2, and a warning says
+    so. The order is the step's tensor order, stably sorted by item size (largest first)
+    so every tensor starts aligned to its item size, as the safetensors serializer itself
+    arranges.
     """
     entries: list[ExportEntry] = []
     seen: dict[str, str] = {}
@@ -177,10 +186,27 @@ def export_entries(
                 f"name {name!r} in the safetensors output"
             )
         seen[name] = source
-        out_dtype = dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+        shape = tuple(info.shape)
+        logical = fmt.complex_dtype(info.attrs, info.dtype, shape, f"tensor {source!r}")
+        if logical in SAFETENSORS_DTYPES:
+            numel = int(info.numel) // 2
+            entries.append(ExportEntry(name, source, shape[:-1], logical, numel, pairs=True))
+            continue
+        if logical is not None:
+            warnings.warn(
+                f"{source} is {logical}, which safetensors cannot hold: it is written as its "
+                f"real pairs ({info.dtype}, shape {shape}); torch.view_as_complex(t) gives "
+                "it back",
+                stacklevel=2,
+            )
+            out_dtype = info.dtype
+        elif dtype is not None and info.dtype.is_floating_point:
+            out_dtype = dtype
+        else:
+            out_dtype = info.dtype
         if out_dtype not in SAFETENSORS_DTYPES:
             raise CorruptCheckpointError(f"tensor {source!r} has unsupported dtype {info.dtype}")
-        entries.append(ExportEntry(name, source, tuple(info.shape), out_dtype, int(info.numel)))
+        entries.append(ExportEntry(name, source, shape, out_dtype, int(info.numel)))
     entries.sort(key=lambda e: -e.dtype.itemsize)
     return entries
 
@@ -338,14 +364,16 @@ def _write_file(
         with open(partial, "wb") as f:
             f.write(safetensors_header(entries))
             casts = {e.source: e.dtype for e in entries}
+            pairs = {e.source for e in entries if e.pairs}
             for chunk in iter_chunk_payloads(st, [e.source for e in entries]):
                 info = infos[chunk.name]
                 out_dtype = casts[chunk.name]
-                if out_dtype == info.dtype:
+                if out_dtype == info.dtype or chunk.name in pairs:
                     f.write(chunk.payload)  # the verified bytes, no copy
+                    done += (chunk.stop - chunk.start) * info.dtype.itemsize
                 else:
                     _write_cast(f, chunk.payload, info.dtype, out_dtype, piece_bytes)
-                done += (chunk.stop - chunk.start) * out_dtype.itemsize
+                    done += (chunk.stop - chunk.start) * out_dtype.itemsize
                 if progress is not None:
                     progress(done, total)
                 del chunk  # drop it before the iterator fetches the one after next

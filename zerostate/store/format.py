@@ -85,11 +85,64 @@ _DTYPES: dict[str, tuple[str, Any]] = {
 }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype, tensor: str | None = None) -> str:
+    """The stored name of ``dtype``; ``tensor`` names the tensor in the error a dtype the
+    store cannot hold raises (a user meets it at save time and must know which one)."""
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES or not isinstance(getattr(torch, name, None), torch.dtype):
-        raise ConfigError(f"dtype {dtype} is not storable; supported: {', '.join(sorted(_DTYPES))}")
+        what = f"tensor {tensor!r} has dtype {dtype}, which" if tensor else f"dtype {dtype}"
+        hint = (
+            f" (store it as its real pairs: torch.view_as_real(t) with attrs "
+            f"{{{COMPLEX_ATTR!r}: {name!r}}}, see as_real_pairs)"
+            if dtype in COMPLEX_DTYPES
+            else ""
+        )
+        raise ConfigError(f"{what} is not storable; supported: {', '.join(sorted(_DTYPES))}{hint}")
     return name
+
+
+# [Note: complex tensors]
+# A complex tensor (a RoPE cache, torch.polar) is stored as its real pairs: the float
+# tensor ``torch.view_as_real(t)`` (complex64 -> float32, complex128 -> float64, shape
+# ``(*shape, 2)``, the same bytes: real and imaginary parts interleaved, as torch and
+# numpy lay complex numbers out), with ``attrs[COMPLEX_ATTR]`` naming the complex dtype.
+# Every reader, reshard and verify then handles it as the float tensor it is (bit for bit),
+# an older zerostate reads the real pairs instead of refusing an unknown dtype, and
+# ``consolidate`` turns it back into a complex tensor where safetensors has one (C64).
+COMPLEX_ATTR = "complex_dtype"
+#: Complex dtype -> the real dtype of its pairs.
+COMPLEX_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.complex64: torch.float32,
+    torch.complex128: torch.float64,
+}
+
+
+def as_real_pairs(t: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """``(storable tensor, attrs)``: ``t`` itself and ``{}``, or for a complex tensor its
+    real-pairs view (shares memory, so a read into it fills ``t``) and the attribute
+    recording its dtype ([Note: complex tensors])."""
+    if t.dtype not in COMPLEX_DTYPES:
+        return t, {}
+    return torch.view_as_real(t), {COMPLEX_ATTR: str(t.dtype).removeprefix("torch.")}
+
+
+def complex_dtype(
+    attrs: Any, dtype: torch.dtype, shape: tuple[int, ...], what: str
+) -> torch.dtype | None:
+    """The complex dtype a stored tensor holds as real pairs (``None``: it is what it
+    says), checked against its stored dtype and shape (attrs come from storage)."""
+    name = attrs.get(COMPLEX_ATTR) if isinstance(attrs, dict) else None
+    if name is None:
+        return None
+    by_name = {str(c).removeprefix("torch."): c for c in COMPLEX_DTYPES}
+    logical = by_name.get(name) if isinstance(name, str) else None
+    if logical is None or COMPLEX_DTYPES[logical] != dtype or not shape or shape[-1] != 2:
+        raise CorruptCheckpointError(
+            f"{what}: {COMPLEX_ATTR}={name!r} does not describe a stored {dtype} tensor of "
+            f"shape {tuple(shape)} (complex64 is stored as float32 and complex128 as "
+            "float64, with a last dimension of 2)"
+        )
+    return logical
 
 
 def dtype_from_name(name: Any) -> torch.dtype:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from zerostate.partition import even_layout, plan_layouts
+from zerostate.store import format as fmt
 from zerostate.store.writer import StepWriter, TensorSpec
 
 
@@ -25,14 +26,16 @@ def plan_specs(
     the ranks (``even_layout``: format 2 stores a rank's pieces of all tensors in one row,
     so small pieces cost no objects); ``min_shard_numel`` gives ``plan_layouts``' older
     placement, in mapping order, which keeps small tensors whole on one rank."""
-    numels = [t.numel() for t in tensors.values()]
+    # A complex tensor is stored as its real pairs ([Note: complex tensors] in format.py).
+    stored = {name: fmt.as_real_pairs(t) for name, t in tensors.items()}
+    numels = [t.numel() for t, _ in stored.values()]
     if min_shard_numel is None:
         layouts = [even_layout(n, world_size) for n in numels]
     else:
         layouts = plan_layouts(numels, world_size, min_shard_numel)
     return [
-        TensorSpec(name, tuple(t.shape), t.dtype, layout)
-        for (name, t), layout in zip(tensors.items(), layouts, strict=True)
+        TensorSpec(name, tuple(t.shape), t.dtype, layout, attrs or None)
+        for (name, (t, attrs)), layout in zip(stored.items(), layouts, strict=True)
     ]
 
 
@@ -44,7 +47,7 @@ def owned_shards(
     for spec in specs:
         start, stop = spec.layout.owned_range(rank)
         if stop > start:
-            out[spec.name] = tensors[spec.name].reshape(-1)[start:stop]
+            out[spec.name] = fmt.as_real_pairs(tensors[spec.name])[0].reshape(-1)[start:stop]
     return out
 
 

@@ -80,7 +80,7 @@ class TensorSpec:
         object.__setattr__(self, "shape", shape)
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"{self.name}: dtype must be a torch.dtype, got {self.dtype!r}")
-        fmt.dtype_name(self.dtype)
+        fmt.dtype_name(self.dtype, self.name)
         if not isinstance(self.layout, TensorLayout):
             raise ConfigError(
                 f"{self.name}: layout must be a TensorLayout (see zerostate.partition.plan_layouts)"

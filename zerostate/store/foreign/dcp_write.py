@@ -19,6 +19,7 @@ import torch
 
 from zerostate import jsonstate
 from zerostate.errors import ConfigError, CorruptCheckpointError
+from zerostate.store import format as fmt
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +34,10 @@ def dcp_state_dict(st: Any) -> dict:
     """``{"model": ..., "optimizer": ...}`` of step ``st`` in ``get_state_dict``'s layout."""
     engine = st.attrs.get("engine") if isinstance(st.attrs.get("engine"), dict) else {}
     model: dict[str, torch.Tensor] = {}
-    for name in st.tensors:
+    for name, info in st.tensors.items():
         for prefix in ("model/", "buffers/"):
             if name.startswith(prefix):
-                model[name[len(prefix) :]] = st.read(name)
+                model[name[len(prefix) :]] = _logical(st.read(name), info, name)
     for alias, canonical in (engine.get("tied") or {}).items():
         if canonical in model:
             model[alias] = model[canonical]
@@ -69,6 +70,15 @@ def dcp_state_dict(st: Any) -> dict:
     if groups:
         out["optimizer"] = {"state": state, "param_groups": groups}
     return out
+
+
+def _logical(tensor: torch.Tensor, info: Any, name: str) -> torch.Tensor:
+    """A stored tensor as the model holds it: the real pairs of a complex tensor as that
+    complex tensor ([Note: complex tensors] in zerostate.store.format)."""
+    shape = tuple(info.shape)
+    if fmt.complex_dtype(info.attrs, info.dtype, shape, f"tensor {name!r}") is None:
+        return tensor
+    return torch.view_as_complex(tensor.reshape(shape).contiguous())
 
 
 def convert_to_dcp(source: Any, out: str | os.PathLike, *, step: int | None = None,
