@@ -12,8 +12,104 @@ import pytest
 import torch
 from cli_helpers import run_cli
 
+from tests.store.test_mesh_store import write_mesh_step
 from zerostate.store import open_checkpoint, save_tensors
 from zerostate.store.rows import row_path
+
+
+# ------------------------------------------------------------------ inspect, reshard
+@pytest.fixture
+def tp_step(tmp_path: Path) -> Path:
+    """A step as a (dp_shard 2 x tp 2) job writes it (no training needed: the store's
+    writers, one per rank): fused q/k/v and gate/up, a norm replicated across tp, a plain
+    buffer over all 4 rows."""
+    write_mesh_step(tmp_path / "tp", 5, 2, 2)
+    return tmp_path / "tp"
+
+
+@pytest.fixture
+def dp_step(tmp_path: Path) -> Path:
+    """A plain (dp 4) step: also 4 rows."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = {"model/w": torch.randn(512, 300, generator=gen), "model/b": torch.randn(300)}
+    save_tensors(str(tmp_path / "dp"), 5, tensors, world_size=4)
+    return tmp_path / "dp"
+
+
+def _table(out: str) -> dict[str, str]:
+    """``{tensor: layout}`` of the tensor table ``inspect`` prints."""
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("tensor "))
+    column = lines[header].index("layout")
+    rows = {}
+    for line in lines[header + 1 :]:
+        if line[:1].isspace() or line.split()[0] in ("model", "optim", "buffers", "total"):
+            break
+        rows[line.split()[0]] = line[column:]
+    return rows
+
+
+def test_inspect_shows_the_mesh_and_each_layout(tp_step: Path, dp_step: Path, capsys) -> None:
+    code, out, _ = run_cli(["inspect", str(tp_step)], capsys)
+    assert code == 0
+    assert "step 5: world size 4 (dp_shard 2 x tp 2), format version 3" in out, out
+    rows = _table(out)
+    assert rows["model/attn.qkv.weight"] == "tp dim 0 of 2 fused 7+3+3, even over 2 dp ranks"
+    assert rows["model/attn.o.weight"] == "tp dim 1 of 2, even over 2 dp ranks"
+    assert rows["model/norm.weight"] == "tp replicated, even over 2 dp ranks"
+    assert rows["model/empty"] == "tp dim 0 of 2, empty"
+    assert rows["buffers/steps"] == "3 pieces of 2 from rank 0"  # 5 elements over 4 rows
+
+    code, out, _ = run_cli(["inspect", str(dp_step)], capsys)
+    assert code == 0
+    assert "step 5: world size 4 (dp 4), format version 2" in out, out
+    assert _table(out) == {"model/b": "even over 4 ranks", "model/w": "even over 4 ranks"}
+
+    code, out, _ = run_cli(["inspect", str(tp_step), "--json"], capsys)
+    doc = json.loads(out)
+    assert doc["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    qkv = next(t for t in doc["tensors"] if t["name"] == "model/attn.qkv.weight")
+    detail = qkv["layout_detail"]
+    assert (detail["tp_dim"], detail["tp_degree"], detail["fused_sizes"]) == (0, 2, [7, 3, 3])
+    assert json.loads(run_cli(["inspect", str(dp_step), "--json"], capsys)[1])["mesh"] == {
+        "dp_replicate": 1,
+        "dp_shard": 4,
+        "tp": 1,
+    }
+
+
+def test_reshard_prints_source_and_target_layouts(
+    tp_step: Path, dp_step: Path, tmp_path: Path, capsys
+) -> None:
+    code, out, _ = run_cli(["reshard", str(tp_step), str(tmp_path / "a"), "--dp", "2"], capsys)
+    assert code == 0
+    assert out.startswith("resharded step 5: (dp_shard 2 x tp 2) -> (dp 2), world size 4 -> 2")
+    code, out, _ = run_cli(["inspect", str(tmp_path / "a")], capsys)
+    assert "world size 2 (dp 2)" in out  # the shard dims stay recorded for a later split
+    assert _table(out)["model/attn.qkv.weight"] == "tp dim 0 of 1 fused 7+3+3, even over 2 dp ranks"
+
+    argv = ["reshard", str(tmp_path / "a"), str(tmp_path / "b"), "--dp", "4", "--tp", "2"]
+    code, out, _ = run_cli([*argv, "-q", "--dp-replicate", "2"], capsys)
+    assert code == 0
+    assert "(dp 2) -> (dp_replicate 2 x dp_shard 2 x tp 2), world size 2 -> 4" in out, out
+
+    code, out, _ = run_cli(["reshard", str(dp_step), str(tmp_path / "c"), "--dp", "2"], capsys)
+    assert code == 0
+    assert "(dp 4) -> (dp 2), world size 4 -> 2" in out
+    # the small-tensor rule, said where it applies
+    assert "1 tensor(s) of at most 65,536 elements stored whole on one rank each" in out, out
+    code, out, _ = run_cli(["inspect", str(tmp_path / "c")], capsys)
+    assert _table(out) == {"model/b": "whole on rank 0", "model/w": "even over 2 ranks"}
+    code, out, _ = run_cli(
+        ["reshard", str(dp_step), str(tmp_path / "d"), "--dp", "2", "--json"], capsys
+    )
+    doc = json.loads(out)
+    assert (doc["src_mesh"]["dp_shard"], doc["mesh"]["dp_shard"], doc["whole_on_one_rank"]) == (
+        4,
+        2,
+        1,
+    )
+
 
 # ------------------------------------------------------------------------- verify
 LAYERS = 40
