@@ -29,8 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--world-size ranks (and --tp, --dp-replicate). Loading already reshards on the fly; "
         "this makes the stored layout match the job that reads it, and prints the source "
         "and target layouts, e.g. (dp_shard 2 x tp 2) -> (dp 2). Memory stays near one "
-        "tensor range. Without tensor-parallel layouts, tensors under --min-shard-numel "
-        "elements are stored whole on one rank each (ranks taking turns), the rest evenly.",
+        "tensor range. Without tensor-parallel layouts, a tensor of at most "
+        "--min-shard-numel elements is stored whole on one rank (the least loaded), a larger "
+        "one in pieces of at least that many.",
     )
     add_checkpoint_args(parser)
     parser.add_argument("out", metavar="OUT", help="destination checkpoint root (path or URL)")
