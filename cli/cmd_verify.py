@@ -119,52 +119,91 @@ def headline(problems: list[Problem]) -> str:
 
 
 def problems_lines(problems: list[Problem]) -> list[str]:
-    """The damage per rank's row and tensor: for each row (rank, group) and kind of damage,
-    one line saying how many inner chunks, then one indented line per tensor they hold.
-    Problems of no row (metadata, manifests) are one line each."""
-    rows: dict[tuple, list[Problem]] = defaultdict(list)
-    lines: list[str] = []
+    """The damage per rank's row and tensor: a line naming each damaged row (rank, group,
+    object), under it one line per kind of damage (how many inner chunks, or what is wrong
+    with the whole row) and one per tensor those chunks hold, in row order. Problems of no
+    row (metadata, manifests, a format-1 chunk object) follow, one line each."""
+    rows: dict[tuple[str, int, str, str], list[Problem]] = defaultdict(list)
+    others: list[str] = []
     for p in problems:
-        if p.tensors or p.rank is not None:
-            rows[(p.rank, p.group, p.damage, p.url)].append(p)
+        if p.rank is not None and p.group is not None:
+            rows[(_held_by(p), p.rank, p.group, p.url)].append(p)
         else:
-            lines.append(p.message)
-    for (rank, group, damage, url), found in sorted(rows.items(), key=_row_order):
-        chunks = sorted({p.chunk for p in found if p.chunk is not None})
-        where = f"rank {rank}'s row of group {group!r}" if rank is not None else "chunks"
-        if not chunks:  # a whole row missing, or its shard index: one problem of the row
-            lines += [p.message for p in found]
-            per_chunk: dict[str, int] = {}
-        else:
-            what = _PLURAL.get(damage, damage or "damaged")
-            lines.append(
-                f"{where}: {len(chunks)} inner chunk(s) {what} (chunk(s) {_ints(chunks)})"
-                + (f" {url}" if url else "")
-            )
-            per_chunk = defaultdict(int)
-            first: dict[str, int] = {}
-            for p in found:
-                for name in p.tensors:
-                    per_chunk[name] += 1
-                    first[name] = min(first.get(name, p.chunk or 0), p.chunk or 0)
-        # In row order: the first tensor named is where the damage begins.
-        for name in sorted(per_chunk, key=lambda n: (first[n], n)):
-            lines.append(f"  {name}: {per_chunk[name]} chunk(s)")
+            others.append(p.message)
+    lines: list[str] = []
+    for (held, rank, group, url), found in sorted(rows.items(), key=_row_order):
+        lines.append(f"{held}rank {rank}'s row of group {group!r}" + (f" ({url}):" if url else ":"))
+        chunked = [p for p in found if p.chunk is not None]
+        if chunked:
+            lines += _chunk_lines(chunked)
+        lines += ["  " + _row_problem(p) for p in found if p.chunk is None]
+    return lines + others
+
+
+def _chunk_lines(found: list[Problem]) -> list[str]:
+    """Damaged inner chunks of one row: per kind of damage, the count and chunk ranges, then
+    each tensor they hold with its count (the first tensor named is where damage begins)."""
+    kinds: dict[str, list[Problem]] = defaultdict(list)
+    for p in found:
+        kinds[p.damage].append(p)
+    lines = []
+    for damage, items in sorted(kinds.items()):
+        chunks = sorted({p.chunk for p in items if p.chunk is not None})
+        per_tensor: dict[str, int] = defaultdict(int)
+        first: dict[str, int] = {}
+        for p in items:
+            for name in p.tensors:
+                per_tensor[name] += 1
+                first.setdefault(name, p.chunk or 0)
+                first[name] = min(first[name], p.chunk or 0)
+        lines.append(
+            f"  {len(chunks)} inner chunk(s) {_PLURAL.get(damage, damage or 'damaged')} "
+            f"(chunk(s) {_ints(chunks)}), in {len(per_tensor)} tensor(s):"
+        )
+        lines += [
+            f"    {name}: {per_tensor[name]} chunk(s)"
+            for name in sorted(per_tensor, key=lambda n: (first[n], n))
+        ]
     return lines
 
 
+def _held_by(p: Problem) -> str:
+    # A step that refers to an older step's tensors verifies that step's rows too.
+    return p.message.split(": ", 1)[0] + ": " if p.message.startswith("held by step ") else ""
+
+
+def _row_problem(p: Problem) -> str:
+    """A problem of a whole row, without the row's name (its heading line says it)."""
+    if p.damage == "is missing":
+        shown = ", ".join(p.tensors[:3]) + (
+            f" and {len(p.tensors) - 3} more" if len(p.tensors) > 3 else ""
+        )
+        return f"the row object is missing; it holds {len(p.tensors)} tensor(s): {shown}"
+    head = f"({p.url}): "
+    return p.message.split(head, 1)[1] if head in p.message else p.message
+
+
 def bounded(lines: list[str], limit: int = MAX_LINES, width: int = MAX_WIDTH) -> list[str]:
-    """At most ``limit`` lines of at most ``width`` characters, then how many were left."""
-    shown = [line if len(line) <= width else line[: width - 3] + "..." for line in lines[:limit]]
-    if len(lines) > limit:
-        shown.append(f"... and {len(lines) - limit} more line(s); --all lists every problem")
+    """At most ``limit`` of ``lines``, then how many were left out. Rows and what is wrong
+    with them come first; the per-tensor lines (indented 4) fill what is left, in order.
+    Those are cut to ``width`` characters; a row's heading keeps its whole URL, which is
+    what a user needs to find the object."""
+    detail = [line.startswith("    ") for line in lines]
+    keep = [i for i, d in enumerate(detail) if not d][:limit]
+    room = limit - len(keep)
+    keep += [i for i, d in enumerate(detail) if d][: max(0, room)]
+    shown = [
+        lines[i] if not detail[i] or len(lines[i]) <= width else lines[i][: width - 3] + "..."
+        for i in sorted(keep)
+    ]
+    if len(lines) > len(keep):
+        shown.append(f"... and {len(lines) - len(keep)} more line(s); --all lists every problem")
     return shown
 
 
 def _row_order(item: tuple) -> tuple:
-    (rank, group, damage, url), found = item
-    whole_row = all(p.chunk is None for p in found)  # after the row's chunk damage
-    return (rank if rank is not None else -1, group or "", whole_row, damage, url)
+    (held, rank, group, _), _ = item
+    return (rank, group, held)
 
 
 def _ints(values: Iterable[int], limit: int = 6) -> str:

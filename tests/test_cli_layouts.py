@@ -137,13 +137,18 @@ def test_verify_summarises_a_row_cut_short(cut_row: Path, capsys) -> None:
     code, out, err = run_cli(["verify", str(cut_row), "-q"], capsys)
     assert code == 1
     lines = out.splitlines()
-    assert len(lines) <= 23, out  # headline, at most 20 lines, "... and N more"
-    assert max(map(len, lines)) <= 160, out
+    assert len(lines) <= 22, out  # headline, at most 20 lines, "... and N more"
+    # detail lines are cut to 160 characters; a row's heading keeps its whole path
+    assert max(map(len, lines)) <= 160 + len(str(cut_row)), out
     assert lines[0].startswith("step 3: ") and "on rank(s) 1" in lines[0], lines[0]
     count = int(lines[0].split()[2])
     assert count > 1000, lines[0]
-    assert "rank 1's row of group 'model'" in lines[1] and "cut short" in lines[1], lines[1]
-    assert lines[2].startswith("  model/layers."), lines[2]  # then tensor by tensor
+    row = cut_row / "step-00000003" / row_path("model", 1)
+    assert lines[1] == f"rank 1's row of group 'model' ({row}):", lines[1]
+    assert lines[2].startswith("  ") and "inner chunk(s) cut short" in lines[2], lines[2]
+    assert lines[3].startswith("    model/layers."), lines[3]  # then tensor by tensor
+    # what is wrong with the whole row is shown before the tensors that do not fit
+    assert "  its chunk checksums do not match the commit record" in lines, out
     assert lines[-1].startswith("... and ") and "--all" in lines[-1], lines[-1]
     assert "optim/" not in out  # the intact rows are not mentioned
     # stderr keeps its one line, short, with the count
