@@ -11,6 +11,7 @@ from zerostate_cli.common import (
     open_step,
     print_json,
 )
+from zerostate_cli.layouts import mesh_text, step_mesh, tensor_layout_json, tensor_layout_text
 
 GROUPS = ("model", "optim", "buffers")
 
@@ -18,10 +19,11 @@ GROUPS = ("model", "optim", "buffers")
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "inspect",
-        help="list steps, world size, stage and tensors of a checkpoint",
+        help="list steps, mesh, stage and tensors of a checkpoint",
         description="Show a checkpoint's committed (and partial) steps and, for one step, "
-        "its world size, engine settings, format version and every tensor. Reads "
-        "metadata only.",
+        "its world size and mesh (dp_replicate x dp_shard x tp), engine settings, format "
+        "version and every tensor with its layout (tensor-parallel dim and degree, fused "
+        "sub-tensors, data-parallel partitioning). Reads metadata only.",
     )
     add_checkpoint_args(parser)
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -36,6 +38,7 @@ def group_of(name: str) -> str:
 def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
     engine = st.attrs.get("engine") if isinstance(st.attrs, dict) else None
     engine = engine if isinstance(engine, dict) else {}
+    mesh = step_mesh(st)
     tensors = []
     totals: dict[str, dict[str, int]] = {
         g: {"num_tensors": 0, "numel": 0, "bytes": 0} for g in (*GROUPS, "other")
@@ -50,6 +53,8 @@ def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
                 "numel": int(info.numel),
                 "bytes": int(info.nbytes),
                 "num_chunks": int(layout.num_chunks) if layout is not None else None,
+                "layout": tensor_layout_text(st, name, info, mesh["tp"]),
+                "layout_detail": tensor_layout_json(st, name, info),
             }
         )
         group = totals[group_of(name)]
@@ -66,6 +71,7 @@ def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
         "format_version": st.format_version,
         "objects": st.object_count,
         "world_size": st.world_size,
+        "mesh": mesh,
         "stage": engine.get("stage"),
         "precision": engine.get("precision"),
         "tied": engine.get("tied") or {},
@@ -93,20 +99,27 @@ def run(args: argparse.Namespace) -> int:
         f"{key} {data[key]}" for key in ("stage", "precision") if data[key] is not None
     )
     print(
-        f"step {data['step']}: world size {data['world_size']}, format version "
+        f"step {data['step']}: world size {data['world_size']} {mesh_text(data['mesh'])}, "
+        f"format version "
         f"{data['format_version']}, {data['objects']} objects" + (f", {engine}" if engine else "")
     )
     for alias, canonical in sorted(data["tied"].items()):
         print(f"tied: {alias} -> {canonical}")
     rows = [
-        (t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], t["bytes"])
+        (
+            t["name"],
+            "x".join(map(str, t["shape"])) or "scalar",
+            t["dtype"],
+            t["bytes"],
+            t["layout"],
+        )
         for t in data["tensors"]
     ]
     width = max([len(r[0]) for r in rows] + [6])
     shape_width = max([len(r[1]) for r in rows] + [5])
-    print(f"{'tensor':<{width}}  {'shape':<{shape_width}}  {'dtype':<9} {'bytes':>14}")
-    for name, shape, dtype, nbytes in rows:
-        print(f"{name:<{width}}  {shape:<{shape_width}}  {dtype:<9} {nbytes:>14,}")
+    print(f"{'tensor':<{width}}  {'shape':<{shape_width}}  {'dtype':<9} {'bytes':>14}  layout")
+    for name, shape, dtype, nbytes, layout in rows:
+        print(f"{name:<{width}}  {shape:<{shape_width}}  {dtype:<9} {nbytes:>14,}  {layout}")
     for group, total in data["totals"].items():
         print(
             f"{group:<8} {total['num_tensors']:>6} tensors {total['numel']:>16,} elements "

@@ -16,6 +16,7 @@ from zerostate_cli.common import (
     progress_bar,
     storage_options,
 )
+from zerostate_cli.layouts import mesh_of, mesh_text, step_mesh
 
 from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
 
@@ -23,10 +24,14 @@ from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "reshard",
-        help="rewrite a step for a different world size",
+        help="rewrite a step for a different world size or mesh",
         description="Rewrite one committed step into OUT with the chunk grid of "
-        "--world-size ranks. Loading already reshards on the fly; this makes the stored "
-        "layout match the job that reads it. Memory stays near one tensor range.",
+        "--world-size ranks (and --tp, --dp-replicate). Loading already reshards on the fly; "
+        "this makes the stored layout match the job that reads it, and prints the source "
+        "and target layouts, e.g. (dp_shard 2 x tp 2) -> (dp 2). Memory stays near one "
+        "tensor range. Without tensor-parallel layouts, a tensor of at most "
+        "--min-shard-numel elements is stored whole on one rank (the least loaded), a larger "
+        "one in pieces of at least that many.",
     )
     add_checkpoint_args(parser)
     parser.add_argument("out", metavar="OUT", help="destination checkpoint root (path or URL)")
@@ -92,9 +97,29 @@ def run(args: argparse.Namespace) -> int:
     dp_shard = args.world_size // args.dp_replicate
     src_options = storage_options(args, args.ckpt, "src")
     dst_options = storage_options(args, args.out, "dst")
+    source = open_source(args, "src")
+    src_step = source.step(args.step)
+    try:
+        src_mesh = step_mesh(src_step)
+        # As the store decides: a source recording a tensor-parallel dim keeps its layouts.
+        src_tp = any(
+            getattr(mesh_of(src_step, name), "tp_dim", None) is not None
+            for name in src_step.tensors
+        )
+        small = [int(i.numel) for i in src_step.tensors.values()]
+    finally:
+        src_step.close()
+    dst_mesh = {"dp_replicate": args.dp_replicate, "dp_shard": dp_shard, "tp": args.tp}
+    # Only a format-2 target uses the smallest piece by default ([Note: partition rule]);
+    # a step with tensor-parallel layouts is split evenly, as a tensor-parallel job saves it.
+    min_shard = args.min_shard_numel
+    if min_shard is None and not src_tp and args.tp == 1:
+        min_shard = DEFAULT_MIN_SHARD_NUMEL
+    # A tensor of at most min_shard elements is one piece, on one rank.
+    whole = sum(1 for n in small if 0 < n <= min_shard) if min_shard and dp_shard > 1 else 0
     with progress_bar(args, "reshard") as progress:
         result = reshard(
-            open_source(args, "src"),
+            source,
             args.out,
             dp_shard,
             step=args.step,
@@ -112,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
                 "step": result.step,
                 "src_world_size": result.src_world_size,
                 "world_size": result.world_size,
+                "src_mesh": src_mesh,
+                "mesh": dst_mesh,
+                "whole_on_one_rank": whole,
                 "num_tensors": result.num_tensors,
                 "total_bytes": result.total_bytes,
                 "out": args.out,
@@ -121,13 +149,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     print(
-        f"resharded step {result.step}: world size {result.src_world_size} -> "
-        f"{result.world_size}, {result.num_tensors} tensors, "
-        f"{human_bytes(result.total_bytes)} -> {args.out}"
+        f"resharded step {result.step}: {mesh_text(src_mesh)} -> {mesh_text(dst_mesh)}, "
+        f"world size {result.src_world_size} -> {result.world_size}, {result.num_tensors} "
+        f"tensors, {human_bytes(result.total_bytes)} -> {args.out}"
     )
     if args.dp_replicate > 1:
+        print(f"laid out for {mesh_text(dst_mesh)}: one replica's step, which every replica reads")
+    if whole:
         print(
-            f"laid out for (dp_replicate {args.dp_replicate} x dp_shard {dp_shard} x tp "
-            f"{args.tp}): one replica's step, which every replica reads"
+            f"{whole} tensor(s) of at most {min_shard:,} elements stored whole on one rank "
+            "each (--min-shard-numel); larger ones cut into pieces of at least that many"
         )
     return 0

@@ -3,7 +3,10 @@
 # Sourced by the other scripts; safe to run again (it only installs what is missing).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${ZEROSTATE_VENV:-$ROOT/.venv}"
+# ZEROSTATE_NO_INSTALL=1 means "use the environment as it is": with a virtual environment
+# active, that one (a fresh checkout has no .venv, and a bare new one lacks zerostate).
+VENV="${ZEROSTATE_VENV:-${ZEROSTATE_NO_INSTALL:+${VIRTUAL_ENV:-}}}"
+VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 # test + bench: the benchmark smoke test runs the peers (DeepSpeed etc.) and fails without them.
 EXTRAS="${ZEROSTATE_EXTRAS-test,bench}"  # set it empty for the library alone

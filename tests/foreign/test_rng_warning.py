@@ -1,5 +1,7 @@
-"""A load warns only about RNG states the checkpoint holds: a DCP checkpoint has none, a
-zerostate one saved at another world size has one per rank."""
+"""A load mentions only RNG states the checkpoint holds: a DCP checkpoint has none, a
+zerostate one saved at another world size has one per rank. Those cannot be restored on a
+world-size change and nothing the user passes changes that, so the load says so at info
+level, never as a warning."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from tests.helpers_dist import run_distributed
 
 class _Records(logging.Handler):
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, int]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        self.records.append((record.getMessage(), record.levelno))
 
 
 def _load_both(rank: int, world_size: int, dcp: str, root: str) -> dict:
@@ -30,14 +32,18 @@ def _load_both(rank: int, world_size: int, dcp: str, root: str) -> dict:
     out = {}
     if rank == 0:  # loads at world size 1: neither checkpoint's RNG states can be restored
         records = _Records()
-        logging.getLogger("zerostate").addHandler(records)
+        logger = logging.getLogger("zerostate")
+        level = logger.level
+        logger.addHandler(records)
+        logger.setLevel(logging.INFO)
         try:
             for name, path in (("dcp", dcp), ("zerostate", ours)):
-                del records.messages[:]
+                del records.records[:]
                 zerostate.Engine(peers.build_model(), stage=2, group=sub).load(path)
-                out[name] = [m for m in records.messages if "RNG states" in m]
+                out[name] = [r for r in records.records if "RNG states" in r[0]]
         finally:
-            logging.getLogger("zerostate").removeHandler(records)
+            logger.removeHandler(records)
+            logger.setLevel(level)
     dist.barrier()
     return out
 
@@ -47,4 +53,6 @@ def test_rng_warning_only_for_saved_rng_states(peer_checkpoints, tmp_path) -> No
     assert peer_world == 2
     out = run_distributed(_load_both, 2, str(path), str(tmp_path), timeout=300)[0]
     assert out["dcp"] == [], out["dcp"]  # DCP saves no RNG state
-    assert len(out["zerostate"]) == 1 and "RNG states of 2 ranks" in out["zerostate"][0], out
+    [(message, level)] = out["zerostate"]
+    assert "RNG states of 2 ranks" in message and level == logging.INFO, out
+    assert "stateful=" not in message, message  # no advice that cannot apply to RNG states

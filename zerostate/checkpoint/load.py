@@ -17,7 +17,13 @@ import torch
 from zerostate import peer_settings
 from zerostate.checkpoint.foreign import open_any_step
 from zerostate.checkpoint.roots import EngineRoots
-from zerostate.checkpoint.state import check_stateful, left_behind, restore_rng, saved_rank_state
+from zerostate.checkpoint.state import (
+    check_stateful,
+    left_behind,
+    restore_rng,
+    saved_rank_state,
+    saved_rng,
+)
 from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError
 from zerostate.runtime.tp_checkpoint import layout_read
@@ -115,14 +121,33 @@ class LoadSession:
                 st.step,
                 group,
             )
-        if left:
+        # left_behind lists the RNG states last, after the stateful objects. They differ in
+        # what the user can do: a stateful object left out is fixed by passing it, while the
+        # RNG states of ranks that no longer exist cannot be restored by anything, and a
+        # world-size change (the resume a resharding store exists for) is expected to leave
+        # them. So the objects get a warning with the fix, the RNG states an info line.
+        rng = bool(left) and st.world_size != self.world_size and saved_rng(st)
+        objects = left[:-1] if rng else left
+        if objects:
             log.warning(
                 "zerostate: loaded step %d from %s but left saved state unrestored: %s. "
                 "Pass it to load(stateful={...}) to restore it, or strict_state=True to make "
                 "this an error",
                 st.step,
                 path,
-                "; ".join(left),
+                "; ".join(objects),
+            )
+        if rng:
+            log.info(
+                "zerostate: loaded step %d from %s, saved by %d ranks, on %d: the saved RNG "
+                "states of %d ranks are kept per rank and restored only at the same world "
+                "size, so this run continues from its own RNG states (expected after a "
+                "change of world size)",
+                st.step,
+                path,
+                st.world_size,
+                self.world_size,
+                st.world_size,
             )
 
     def _read_tensors(

@@ -23,6 +23,7 @@ from zerostate.errors import (
 from zerostate.partition import chunk_reads
 from zerostate.store import format as fmt
 from zerostate.store.format import ChunkedTensorInfo
+from zerostate.store.problems import Problem, raise_if_any
 from zerostate.store.step_base import StepBase
 from zerostate.store.storage import Storage
 
@@ -171,15 +172,16 @@ class StepReader(StepBase):
 
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
         """Re-read every chunk and metadata document; raise listing every problem found."""
-        problems: list[str] = []
+        problems: list[str | Problem] = []
         lock = threading.Lock()
 
         def check_chunk(ref: ChunkRef) -> None:
             try:
                 self.read_chunk(ref.tensor, ref.index)
             except CorruptCheckpointError as exc:
+                problem = Problem(str(exc), (ref.tensor,), chunk=ref.index, damage="chunk")
                 with lock:
-                    problems.append(str(exc))
+                    problems.append(problem)
             if progress is not None:  # logical bytes: the totals add up to info.nbytes
                 info = self.tensors[ref.tensor]
                 start, stop = info.layout.chunk_range(ref.index)
@@ -201,10 +203,4 @@ class StepReader(StepBase):
 
         self._map(check_chunk, list(self.iter_chunks()))
         self._map(check_file, sorted(self._files.items()))
-        if problems:
-            problems.sort()
-            raise CorruptCheckpointError(
-                f"step {self.step} at {self.url}: {len(problems)} problem(s): "
-                + "; ".join(problems[:20])
-                + (" ..." if len(problems) > 20 else "")
-            )
+        raise_if_any(f"step {self.step} at {self.url}", problems)

@@ -12,6 +12,7 @@ along with every chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import mmap
@@ -34,6 +35,7 @@ from zerostate.store import format2
 from zerostate.store import mesh as mesh_mod
 from zerostate.store import refs as refs_mod
 from zerostate.store.base import RangeReader
+from zerostate.store.problems import Problem, as_problem, raise_if_any
 from zerostate.store.rows import CHECKSUM_NBYTES, GroupPlan, row_path
 from zerostate.store.step_base import StepBase, map_failed
 from zerostate.store.storage import Storage
@@ -582,10 +584,10 @@ class StepReaderV2(StepBase):
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
         """Re-read every row (every inner chunk and the shard index), metadata document
         and manifest; raise listing every problem found, naming the tensors affected."""
-        problems: list[str] = []
+        problems: list[str | Problem] = []
         lock = threading.Lock()
 
-        def report(problem: str) -> None:
+        def report(problem: str | Problem) -> None:
             with lock:
                 problems.append(problem)
 
@@ -614,28 +616,22 @@ class StepReaderV2(StepBase):
         manifests = [(fmt.manifest_path(r), m) for r, m in enumerate(self._manifests)]
         self._map(check_doc, manifests)
         self._verify_held(report, progress)
-        if problems:
-            problems.sort()
-            raise CorruptCheckpointError(
-                f"step {self.step} at {self.url}: {len(problems)} problem(s): "
-                + "; ".join(problems[:20])
-                + (" ..." if len(problems) > 20 else "")
-            )
+        raise_if_any(f"step {self.step} at {self.url}", problems)
 
     def _verify_held(
-        self, report: Callable[[str], None], progress: Callable[[int], Any] | None
+        self, report: Callable[[str | Problem], None], progress: Callable[[int], Any] | None
     ) -> None:
         """Verify the holders' rows that hold the tensors this step refers to."""
         for holder in self._holders.values():
             names = [n for n, h in self._held_by.items() if h is holder]
             groups = {holder.tensors[n].group for n in names}
             rows = [(holder._plans[g], r) for g in sorted(groups) for r in range(holder.world_size)]
-            held: list[str] = []
+            held: list[str | Problem] = []
 
             def check(
                 item: tuple[GroupPlan, int],
                 holder: StepReaderV2 = holder,
-                held: list[str] = held,
+                held: list[str | Problem] = held,
             ) -> None:
                 plan, rank = item
                 try:
@@ -646,8 +642,9 @@ class StepReaderV2(StepBase):
                     held.append(str(exc))
 
             self._map(check, rows)
-            for problem in held:
-                report(f"held by step {holder.step}: {problem}")
+            for problem in map(as_problem, held):
+                message = f"held by step {holder.step}: {problem.message}"
+                report(dataclasses.replace(problem, message=message))
             if progress is not None:
                 progress(sum(int(holder.tensors[n].nbytes) for n in names))
 
@@ -662,10 +659,21 @@ class StepReaderV2(StepBase):
         return None
 
     def _verify_row(
-        self, plan: GroupPlan, rank: int, row: format2.RowRecord, report: Callable[[str], None]
+        self,
+        plan: GroupPlan,
+        rank: int,
+        row: format2.RowRecord,
+        report: Callable[[str | Problem], None],
     ) -> None:
         path = f"{self._dir}/{row_path(plan.name, rank)}"
-        where = f"rank {rank}'s row of group {plan.name!r} ({self._row_url(plan, rank)})"
+        url = self._row_url(plan, rank)
+        where = f"rank {rank}'s row of group {plan.name!r} ({url})"
+
+        def problem(
+            message: str, damage: str, names: Iterable[str] = (), chunk: int | None = None
+        ) -> Problem:
+            return Problem(message, tuple(names), rank, plan.name, chunk, damage, url)
+
         chunks = [j for a, b in plan.present(rank) for j in range(a, b)]
         size, stored = plan.inner, plan.stored_chunk_nbytes
         local = self._storage.reads_locally
@@ -682,7 +690,8 @@ class StepReaderV2(StepBase):
                 got = self._storage.read_range_into(path, start * stored, [memoryview(data)])
             except FileNotFoundError:
                 names = sorted({s.name for _, _, s in plan.spans(rank)})
-                report(f"tensor(s) {_names(names)}: {where} is missing")
+                message = f"tensor(s) {_names(names)}: {where} is missing"
+                report(problem(message, "is missing", names))
                 return
             data[got:] = 0  # a row cut short reads as zeros past its end
             records = data.reshape(len(batch), stored)
@@ -697,18 +706,21 @@ class StepReaderV2(StepBase):
             for k in bad + list(range(whole, len(batch))):
                 damage = "is cut short" if k >= whole else "fails its checksum"
                 names = plan.tensors_in_chunk(rank, batch[k])
-                report(f"tensor(s) {_names(names)}: {where}, inner chunk {batch[k]}, {damage}")
+                message = f"tensor(s) {_names(names)}: {where}, inner chunk {batch[k]}, {damage}"
+                report(problem(message, damage, names, batch[k]))
         index = plan.index_bytes(rank)
         buf = memoryview(bytearray(len(index) + CHECKSUM_NBYTES + 1))
         got = self._storage.read_range_into(path, len(chunks) * stored, [buf])
         stored_index = bytes(buf[: len(index)])
         stored_crc = int.from_bytes(buf[len(index) : len(index) + CHECKSUM_NBYTES], "little")
         if got != len(index) + CHECKSUM_NBYTES or stored_index != index:
-            report(f"{where}: the shard index is damaged or the object has the wrong size")
+            message = f"{where}: the shard index is damaged or the object has the wrong size"
+            report(problem(message, "shard index"))
         elif crc32c.crc32c(index) != stored_crc or stored_crc != row.index_crc32c:
-            report(f"{where}: the shard index fails its checksum")
+            report(problem(f"{where}: the shard index fails its checksum", "shard index"))
         if crc32c.crc32c(bytes(chunk_crcs)) != row.chunks_crc32c:
-            report(f"{where}: its chunk checksums do not match the commit record")
+            message = f"{where}: its chunk checksums do not match the commit record"
+            report(problem(message, "chunk checksums"))
 
     # -------------------------------------------------------------- rank state
     def _rank_state(self, rank: int) -> dict | None:
