@@ -147,16 +147,18 @@ class EngineConfig:
     available, else CPU. Ignored for models that already live on a real device."""
     unit_policy: Callable[[str, nn.Module], bool] | None = None
     """Stage 3: ``unit_policy(name, module)`` is True for modules whose parameters are
-    gathered together. Default: every child of an ``nn.ModuleList`` (a transformer's
-    blocks; other parameters join the always-gathered root unit), or, in a model without a
-    ModuleList, every module that directly owns parameters."""
+    gathered together. Default: every child of the outermost ``nn.ModuleList`` or
+    ``nn.ModuleDict`` containers (a transformer's blocks, kept in a list or in a dict keyed
+    by layer; other parameters join the always-gathered root unit), or, in a model without
+    one, every module that directly owns parameters."""
     leaf_modules: tuple | list | None = None
     """Stage 3: modules gathered whole, as one group, when they are entered: module names
-    (``"heads"``), class names (``"SwitchTransformersSparseMLP"``) or classes. Name the
-    parent of modules that run on some ranks only (heads chosen per sample, a block skipped
-    on some ranks). Mixture-of-experts blocks keeping one module per expert
-    (``experts = nn.ModuleList(...)`` or an ``nn.ModuleDict``) need no entry: they are
-    gathered whole by default (docs/engine.md, "Stage 3 groups")."""
+    (``"heads"``), class names (``"SwitchTransformersSparseMLP"``) or classes; a list or
+    dict named here is gathered with its owner (at the top, with the root). Not needed for
+    modules that run on some ranks only (heads chosen per sample, experts, a block skipped
+    on some ranks): they are found at run time and gathered on demand (docs/engine.md,
+    "Stage 3 groups"); naming their parent here gathers them whole instead, which saves the
+    per-unit exchanges at the cost of memory."""
     prefetch: bool = True
     """Stage 3: start gathering the next unit while the current one computes."""
     sync_module_states: bool = True

@@ -94,6 +94,31 @@ class SkipBlock(nn.Module):
         return torch.tanh(self.blocks[2](h)).square().mean()
 
 
+class TopExperts(nn.Module):
+    """A list of experts at the top of the model (named so, and each its own unit at
+    stage 3), and a dict of heads keyed by task; each sample picks one of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.experts = nn.ModuleList([Expert() for _ in range(3)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(DIM, 3), "b": nn.Linear(DIM, 3)})
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (route == e).nonzero().flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, expert(h[rows]))
+        total = x.new_zeros(())
+        for k, key in enumerate(("a", "b")):
+            rows = (route % 2 == k).nonzero().flatten()
+            if rows.numel():
+                total = total + self.heads[key](out[rows]).square().sum()
+        return total / x.shape[0]
+
+
 def data(step: int, model: str, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step``; its routes differ between ranks' local slices."""
     g = torch.Generator().manual_seed(100 + step)
@@ -102,6 +127,8 @@ def data(step: int, model: str, world_size: int) -> tuple[torch.Tensor, torch.Te
     rank_of = torch.arange(SAMPLES) // per_rank
     if model == "moe":
         route = (rank_of + step) % 2 * 2 + torch.arange(SAMPLES) % 2  # ranks: {0,1} / {2,3}
+    elif model == "top_experts":  # rank 0 (and 2) uses experts {0, 1}, rank 1 (and 3) {2}
+        route = torch.where(rank_of % 2 == 0, (torch.arange(SAMPLES) + step) % 2, 2)
     elif model == "heads":
         route = (rank_of + step) % 2
     else:  # skip: rank 1 (and 3) skip the middle block
@@ -109,4 +136,4 @@ def data(step: int, model: str, world_size: int) -> tuple[torch.Tensor, torch.Te
     return x, route
 
 
-MODELS = {"moe": MoEModel, "heads": TwoHeads, "skip": SkipBlock}
+MODELS = {"moe": MoEModel, "heads": TwoHeads, "skip": SkipBlock, "top_experts": TopExperts}

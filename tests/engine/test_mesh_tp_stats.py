@@ -101,8 +101,8 @@ def test_comm_per_dimension_and_memory_match_the_formula_under_tp() -> None:
                 else:
                     # A ZeRO world of one gathers and reduces nothing: the norm-and-flags
                     # all-reduce, and at stage 3 the end-of-forward check ([Note: agreed
-                    # gather order]: two elements).
-                    small = 2 * (1 + num_params) + (2 if stage == 3 else 0)
+                    # gather order]: a round's row, three elements).
+                    small = 2 * (1 + num_params) + (3 if stage == 3 else 0)
                     assert comm["dp_shard"]["total"]["elements"] == small, comm["dp_shard"]
                 if "dp_replicate" in names:
                     expected["dp_replicate"] = 2 * psi / (1 if stage == 0 else shard)

@@ -248,6 +248,25 @@ class ParamGroup:
         op.complete()
         return _read_tags(self.gather_layout, buffer.tensor)
 
+    def join_gather(self) -> None:
+        """Take part in another rank's gather of this group, whatever this rank holds,
+        and discard what arrives ([Note: conditional units] in zerostate.runtime.schedule)."""
+        layout = self.gather_layout
+        if layout is None:
+            return
+        tag = self.index + 1
+        op, buffer = start_all_gather(
+            self.ctx,
+            layout,
+            [p.shard for p in self.params],
+            None,
+            dtype=self.ctx.param_dtype,
+            before_launch=lambda buf: _write_tag(layout, buf, tag),
+        )
+        op.complete()
+        if buffer is not None:
+            self.ctx.pool.release(buffer)
+
     def unpack_gather(self) -> None:
         op, buffer, _ = self._gather
         self._gather = None

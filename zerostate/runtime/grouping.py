@@ -4,16 +4,21 @@
 [Note: module units]
 With partitioned parameters a group is a module whose parameters are gathered when it is
 entered and released when autograd is done with it. The default units are the children of
-the outermost ``nn.ModuleList`` of the model (a transformer's blocks). Parameters of no
-unit, or shared by several modules (tied weights), join the root group, gathered for the
-whole forward and backward. A unit is gathered whole, subtree included: ``ModuleList``s
-and ``ModuleDict``s nested inside a unit never split it further, so a mixture-of-experts
+the outermost containers (``nn.ModuleList`` or ``nn.ModuleDict``, whatever their names):
+a transformer's blocks, whether kept in a list (Hugging Face) or a dict keyed by layer
+(torchtitan). Parameters of no unit, or shared by several modules (tied weights), join the
+root group, gathered for the whole forward and backward. A unit is gathered whole, subtree
+included: containers nested inside a unit never split it further, so a mixture-of-experts
 block keeping one module per expert is gathered once when the block is entered, on every
-rank, whichever experts its tokens are routed to. At the top level a ``ModuleDict``
-(modules picked by key: task heads) and a ``ModuleList`` whose name says it holds experts
-are not split either. ``leaf_modules`` (module names or classes) makes other modules
-whole groups: a module whose children run on some ranks only (a block skipped on some
-ranks, heads chosen per sample) must be one.
+rank, whichever experts its tokens are routed to.
+
+Units that run on some ranks only (heads picked per sample, a top-level list of experts,
+a block skipped on some ranks) need no setting: the runtime finds them at run time and
+gathers on demand ([Note: conditional units] in zerostate.runtime.runtime).
+``leaf_modules`` (module names or classes) still makes a module one whole group: a
+container named there is gathered with its owner (or, at the top, with the root), which
+trades memory for the per-unit exchanges of conditional units. ``unit_policy`` replaces
+the default choice of units.
 """
 
 from __future__ import annotations
@@ -50,12 +55,6 @@ def _owns_params(name: str, module: nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values())
 
 
-def _holds_experts(name: str, module: nn.Module) -> bool:
-    return isinstance(module, nn.ModuleDict) or (
-        isinstance(module, nn.ModuleList) and "expert" in name.rsplit(".", 1)[-1].lower()
-    )
-
-
 def leaf_matcher(leaf_modules: Sequence[Any] | None) -> Callable[[str, nn.Module], bool]:
     """``leaf_modules`` entries are module names (``"heads"``, ``"model.layers.3"``),
     class names (``"MixtralSparseMoeBlock"``) or classes."""
@@ -78,15 +77,21 @@ def select_units(
     if policy is None:
         blocks = set()
         for name, module in modules:
-            if isinstance(module, nn.ModuleList) and not _holds_experts(name, module):
-                blocks.update(f"{name}.{c}" if name else c for c, _ in module.named_children())
+            if _is_container(module):
+                # A container inside a container runs no forward of its own: its own
+                # children are the blocks (a dict of lists, a list of lists).
+                blocks.update(
+                    f"{name}.{c}" if name else c
+                    for c, child in module.named_children()
+                    if not _is_container(child)
+                )
         policy = (lambda name, m: name in blocks) if blocks else _owns_params
     selected: dict[str, nn.Module] = {}
     whole: list[str] = []  # selected modules: nothing below them is split
     for name, module in modules:
         if not name or any(name.startswith(w + ".") for w in whole):
             continue
-        if _is_container(module) and (is_leaf(name, module) or _holds_experts(name, module)):
+        if _is_container(module) and is_leaf(name, module):
             # A container never runs a forward of its own: its owner is entered instead
             # (the experts' block: router and experts), or, at the top, the root.
             if "." in name:
@@ -96,7 +101,7 @@ def select_units(
                 for inner in [s for s in selected if s.startswith(name + ".")]:
                     del selected[inner]
                 whole.append(name)
-        elif is_leaf(name, module) or policy(name, module):
+        elif is_leaf(name, module) or (not _is_container(module) and policy(name, module)):
             _select(selected, whole, name, module)
     return selected
 

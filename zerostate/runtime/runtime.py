@@ -12,7 +12,8 @@ reverse module order, the root last. A group is launched once its gradients are 
 on this rank *and* every group before it in that order has been launched. A group that did
 not run on a rank (an idle expert, a skipped block) is complete only at the end of
 backward, where every group left is launched with zeros for the missing gradients. So what
-each rank computed never changes which collectives it issues or in which order.
+each rank computed never changes which collectives it issues or in which order. Once units
+have run on some ranks only, they are launched in the rounds of [Note: conditional units].
 
 [Note: structural lifecycle]
 With partitioned parameters a unit is gathered when its module is entered (forward
@@ -24,17 +25,8 @@ gradient. Frozen parameters inside a trainable module therefore stay gathered as
 autograd needs them (LoRA), and a frozen module on a trainable path is gathered again for
 backward.
 
-[Note: agreed gather order]
-Ranks must gather units in one order. During the first forward every gather is preceded by
-a tiny synchronous exchange of the unit's index, which records the order and makes ranks
-that enter different units raise at once, naming them. Afterwards a rank that enters a unit
-other than the next one of the recorded order takes part in the collective the other ranks
-issue next (the next unit's gather) with a deviation tag ([Note: group tags]), so every rank
-learns of it from that same collective: if every rank deviated alike (an evaluation forward
-that skips a head), they continue with synchronous exchanges for the rest of that forward;
-otherwise every rank raises :class:`GroupMismatchError` naming the units and the fix. At
-the end of every forward the ranks compare which units they entered (one small exchange),
-which catches a rank that skipped trailing units.
+[Note: agreed gather order] and [Note: conditional units] are in
+zerostate.runtime.schedule: which unit each rank gathers next.
 
 [Note: no hollow state dict]
 Outside a gather a partitioned parameter has its full shape and zero bytes of storage
@@ -54,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -66,20 +57,16 @@ from torch.utils.hooks import RemovableHandle
 from zerostate import collectives
 from zerostate.comm import CommContext, InFlight, all_gather_groups
 from zerostate.coordinator import Coordinator
-from zerostate.errors import DistributedMismatchError, StageUsageError
+from zerostate.errors import StageUsageError
 from zerostate.runtime.grad_stand_in import where_grads_are
 from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
 from zerostate.runtime.grouping import assign_units, select_units, split_into_buckets
 from zerostate.runtime.init import materialise
+from zerostate.runtime.schedule import GatherSchedule, GroupMismatchError
 from zerostate.runtime.tp import local_tensor, model_param
 from zerostate.sharded import FlatLayout, ShardedParam
 
-# Kinds of the small synchronous exchanges of [Note: agreed gather order].
-_GATHER, _END = 1, 2
-
-
-class GroupMismatchError(DistributedMismatchError):
-    """Ranks gathered different parameter groups in one collective."""
+__all__ = ["GroupMismatchError", "GroupRuntime", "holds_no_values"]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -133,12 +120,8 @@ class GroupRuntime:
         #: Names of tensors no initialiser wrote ([Note: unset state] in runtime.init).
         self.unset: list[str] = []
         # Partitioned parameters only:
-        self._order: list[ParamGroup] = []  # [Note: agreed gather order]
-        self._recording = True
-        self._adhoc = False
-        self._cursor = 0
-        self._launched_upto = 0
-        self._entered: list[int] = []
+        self.schedule = GatherSchedule(self)  # [Note: agreed gather order]
+        self._backward_phase = False
         self._in_forward = False
         self._gathered_depth = 0
         #: Units a backward with create_graph=True went through, kept gathered until the
@@ -214,20 +197,15 @@ class GroupRuntime:
         if self._gathered_depth:
             return
         if self.root is not None:
-            self._entered = []
-            self._cursor = 0
-            self._launched_upto = 0
-            self._adhoc = False
-            self._gather_now(self.root)
-            if self.policy.prefetch and not self._recording and self._order:
-                self._prefetch_next()
+            self.schedule.start_forward()
+            self.gather_now(self.root)
+            self.schedule.prefetch_first()
 
     def post_forward(self) -> None:
         self._in_forward = False
         if self.root is None or self._gathered_depth:
             return
-        self._check_forward_end()
-        self._recording = False
+        self.schedule.end_forward()
         if not torch.is_grad_enabled():
             self.release_all()
 
@@ -253,10 +231,13 @@ class GroupRuntime:
         def hook(module: nn.Module, args: tuple, kwargs: dict):
             if self._gathered_depth:
                 return None
-            if _in_backward():
-                self._gather_now(group)  # activation-checkpoint recomputation
+            if _in_backward():  # activation-checkpoint recomputation
+                if self.schedule.conditional:
+                    self.schedule.demand(group)
+                else:
+                    self.gather_now(group)
                 return None
-            self._enter(group)
+            self.schedule.enter(group)
             if torch.is_grad_enabled():
                 return self._wrap_inputs(group, args, kwargs)
             return None
@@ -291,101 +272,12 @@ class GroupRuntime:
 
         return hook
 
-    # -- the agreed gather order ([Note: agreed gather order]) -----------------------------
-    def _enter(self, group: ParamGroup) -> None:
-        self._entered.append(group.index)
-        if self._recording or self._adhoc:
-            self._exchange(_GATHER, group.index)
-            if self._recording:
-                self._order.append(group)
-            self._gather_now(group)
-            return
-        expected = self._order[self._cursor] if self._cursor < len(self._order) else None
-        if group is expected:
-            self._cursor += 1
-            self._gather_now(group)
-            if self.policy.prefetch:
-                self._prefetch_next()
-            return
-        self._deviate(group)
-        self._gather_now(group)
-
-    def _prefetch_next(self) -> None:
-        while self._launched_upto <= self._cursor and self._launched_upto < len(self._order):
-            nxt = self._order[self._launched_upto]
-            self._launched_upto += 1
-            nxt.start_gather()
-
-    def _deviate(self, wanted: ParamGroup | None) -> None:
-        """This rank leaves the recorded order (``wanted`` is None: its forward ended
-        early): say so in the collective the others issue next, the gather of the next
-        unit not yet launched, and continue only if every rank left the order alike."""
-        code = -(wanted.index + 1) if wanted is not None else -(len(self.groups) + 1)
-        position = max(self._launched_upto, self._cursor)
-        if position < len(self._order):
-            nxt = self._order[position]
-            nxt.release()
-            nxt.start_gather(tag=code)
-            tags = nxt.wait_gather()
-            nxt.drop_gather()
-            self._launched_upto = position + 1
-            if len(set(tags)) != 1:
-                self._raise_mismatch(tags)
-        self._release_prefetched()
-        self._adhoc = True
-        if wanted is not None:
-            self._exchange(_GATHER, wanted.index)
-
-    def _release_prefetched(self) -> None:
-        for g in self._order[self._cursor :]:
-            if g.state is GroupState.GATHERING:
-                g.drop_gather()
-
-    def _check_forward_end(self) -> None:
-        if not self._recording and not self._adhoc and self._cursor < len(self._order):
-            self._deviate(None)  # this rank skipped trailing units
-        signature = zlib.crc32(repr(self._entered).encode())
-        self._exchange(_END, signature)
-
-    def _exchange(self, kind: int, value: int) -> None:
-        rows = self.coordinator.exchange([kind, value], every_step=True)
-        if all(r == rows[0] for r in rows):
-            return
-        wanted = {}
-        for rank, (k, v) in enumerate(rows):
-            if k == _GATHER and 0 <= v < len(self.groups):
-                wanted[rank] = f"gathers {self._label(self.groups[v])}"
-            else:
-                wanted[rank] = "has finished its forward"
-        self._fail(wanted)
-
-    def _raise_mismatch(self, tags: list[int]) -> None:
-        wanted = {}
-        for rank, tag in enumerate(tags):
-            if tag > 0:
-                wanted[rank] = f"gathers {self._label(self.groups[tag - 1])}"
-            elif -tag - 1 < len(self.groups):
-                wanted[rank] = f"gathers {self._label(self.groups[-tag - 1])}"
-            else:
-                wanted[rank] = "has finished its forward"
-        self._fail(wanted)
-
-    def _fail(self, wanted: dict[int, str]) -> None:
-        shown = "; ".join(f"rank {r} {what}" for r, what in sorted(wanted.items()))
-        raise GroupMismatchError(
-            f"stage 3: ranks ran different modules in one forward ({shown}). Each rank "
-            "gathers a module's parameters with a collective when it enters the module, so "
-            "a module that runs on some ranks only must be gathered as part of a parent "
-            "that every rank enters: pass leaf_modules=['<that parent>'] (a module name or "
-            "class), as for heads picked per sample or blocks skipped on some ranks"
-        )
-
     @staticmethod
-    def _label(group: ParamGroup) -> str:
+    def label(group: ParamGroup) -> str:
         return repr(group.name) if group.name else "the root parameters"
 
     # -- gathering -----------------------------------------------------------------------
-    def _gather_now(self, group: ParamGroup) -> None:
+    def gather_now(self, group: ParamGroup) -> None:
         if group.state is GroupState.GATHERED:
             return
         group.start_gather()
@@ -393,7 +285,8 @@ class GroupRuntime:
             return
         tags = group.wait_gather()
         if any(t != tags[0] for t in tags) or tags[0] != group.index + 1:
-            self._raise_mismatch(tags)
+            group.drop_gather()
+            self.schedule.raise_mismatch(tags)
         group.unpack_gather()
 
     # -- backward ------------------------------------------------------------------------
@@ -403,10 +296,14 @@ class GroupRuntime:
                 self._held.add(group.index)
             if group.state is GroupState.GATHERED:
                 return
-            self._gather_now(group)
+            if self.schedule.conditional:
+                self.schedule.demand(group)  # [Note: conditional units]
+                return
+            self.gather_now(group)
             if self.policy.prefetch:
-                index = next((i for i, g in enumerate(self._order) if g is group), 0)
-                for prev in reversed(self._order[:index]):
+                order = self.schedule.order
+                index = next((i for i, g in enumerate(order) if g is group), 0)
+                for prev in reversed(order[:index]):
                     if prev.needs_backward and prev.num_backward_done < prev.num_backward_calls:
                         prev.start_gather()
                         break
@@ -444,15 +341,23 @@ class GroupRuntime:
         self._communicate = boundary or self.policy.shard_grads
         self._boundary = boundary
         self._next = 0
+        self._backward_phase = True
         for group in self.groups:
             group.prepare(communicate=self._communicate)
+        if self.schedule.conditional:
+            # [Note: conditional units]: a unit this rank did not enter has nothing to
+            # wait for; its gradients are zeros.
+            ran = self.schedule.ran
+            for group in self.groups:
+                if group is not self.root and group.index not in ran:
+                    group.ready = True
 
     def on_grad_ready(self, index: int) -> None:
         group, i = self._slot[index]
         if group.launched and self._communicate:
             raise StageUsageError(
                 f"the gradient of {self.trainable[index].name} arrived after its group "
-                f"{self._label(group)} was reduced; this autograd graph reaches the "
+                f"{self.label(group)} was reduced; this autograd graph reaches the "
                 "parameter after its module's inputs (report it with the model)"
             )
         complete = group.on_grad(i)
@@ -462,11 +367,26 @@ class GroupRuntime:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        if not self._communicate:
-            return
+        if not self._communicate or self.schedule.conditional:
+            return  # conditional units: launched in rounds (launch_agreed)
         order = self._reduce_order
         while self._next < len(order) and order[self._next].ready:
             self._launch(order[self._next])
+            self._next += 1
+
+    def ready_upto(self) -> int:
+        """How many groups of the reduce order, from the next to launch, are ready here."""
+        order, upto = self._reduce_order, self._next
+        if self._backward_phase and self._communicate:
+            while upto < len(order) and order[upto].ready:
+                upto += 1
+        return upto
+
+    def launch_agreed(self, upto: int) -> None:
+        """Launch the reduce order up to ``upto``, the smallest :meth:`ready_upto` of the
+        ranks in a round ([Note: conditional units])."""
+        while self._next < upto:
+            self._launch(self._reduce_order[self._next])
             self._next += 1
 
     def _launch(self, group: ParamGroup) -> None:
@@ -483,6 +403,10 @@ class GroupRuntime:
     def finish_backward(self) -> None:
         """After backward: launch what is left (zeros for gradients that never came), wait
         for all communication, release every gathered unit."""
+        if self.schedule.conditional:
+            self.schedule.finish_phase()  # [Note: conditional units]
+        self.schedule.ran.clear()
+        self._backward_phase = False
         if self._communicate:
             for group in self._reduce_order[self._next :]:
                 if not group.launched:
@@ -643,7 +567,7 @@ class GroupRuntime:
             self._inflight.drain()
             self.release_all()
             for group in groups:
-                self._gather_now(group)
+                self.gather_now(group)
                 if rank0_only and self.ctx.rank != 0:
                     group.release()
         self._gathered_depth += 1
@@ -679,7 +603,7 @@ class GroupRuntime:
             self._inflight.drain()
             self.release_all()
             for group in self.groups:  # the same order on every rank
-                self._gather_now(group)
+                self.gather_now(group)
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
