@@ -3,13 +3,13 @@ data-parallel axis against FSDP2 applied the torchtitan way, one contender per j
 
     torchrun --nproc-per-node 4 -m benchmarks.titan --contender zerostate --out zs.json
     torchrun --nproc-per-node 4 -m benchmarks.titan --contender fsdp2 --out fsdp2.json
-    python -m benchmarks.titan --table zs.json fsdp2.json      # the markdown row
-    bash benchmarks/titan.sh                                   # all of it, in its own venv
+    python -m benchmarks.titan --table fsdp2.json zs.json      # the markdown rows
+    bash scripts/torchtitan.sh bench                           # all of it, in its own venv
 
 torchtitan (0.3.0) cannot share the project's environment: its ``datasets<4.8`` pins an fsspec
-older than the one s3fs needs. ``scripts/torchtitan_env.sh`` builds a separate virtual
-environment with torchtitan installed without its training-loop dependencies (the model code
-needs ``spmd_types``, ``tyro`` and ``triton``'s import only).
+older than the one s3fs needs. ``scripts/torchtitan.sh`` builds a separate virtual environment
+with torchtitan installed without its training-loop dependencies (the model code needs
+``spmd_types``, ``tyro`` and ``triton``'s import only).
 
 The model is the ``debugmodel`` flavour (6 blocks, dim 256, 16 heads, vocabulary 2048; 6.2M
 parameters) with what runs on CPU: ``ScaledDotProductAttention`` for the inner attention
@@ -142,6 +142,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
 def fsdp2_model_state_bytes(model: Any, opt: Any) -> int:
     """This rank's bytes of parameters, gradients and optimizer states (local shards)."""
     import torch
@@ -185,15 +193,22 @@ def train_fsdp2(steps: range) -> dict:
             module.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     dp_rank, group = dp_mesh.get_local_rank(), dp_mesh.get_group()
-    losses = []
+    losses, with_grads = [], 0
     for step in steps:
         x, y = batch(step, dp_rank)
         local = summed_loss(model(x), y)
         (local / (2 * ROWS * SEQ)).backward()  # divided by the global token count
         opt.step()
+        with_grads = fsdp2_model_state_bytes(model, opt)
         opt.zero_grad(set_to_none=True)
         losses.append(global_loss(local, group, 2))
-    return {"losses": losses, "model_state_bytes": fsdp2_model_state_bytes(model, opt)}
+    return {
+        "losses": losses,
+        # After the step, gradient shards still held (what zerostate keeps between steps).
+        "model_state_bytes": with_grads,
+        # Between steps: zero_grad(set_to_none=True) has freed the gradient shards.
+        "model_state_bytes_between_steps": fsdp2_model_state_bytes(model, opt),
+    }
 
 
 def engine_units(engine: Any) -> list[list]:
@@ -228,7 +243,9 @@ def train_zerostate(
         if save_to is not None and step == save_after:
             engine.save(save_to)
             report("saved_after", step)
-    out = {"losses": losses, "model_state_bytes": engine.memory_stats()["model_states"]}
+    states = engine.memory_stats()["model_states"]
+    out = {"losses": losses, "units": engine_units(engine), "model_state_bytes": states,
+           "model_state_bytes_between_steps": states}  # fmt: skip
     engine.close()
     return out
 
@@ -257,38 +274,66 @@ def measure(contender: str, steps: int) -> dict:
     """One contender's numbers, every rank's, on every rank."""
     import torch
     import torch.distributed as dist
+    import torchtitan.components.loss  # noqa: F401 - both jobs import the same modules
+    import torchtitan.models.llama3  # noqa: F401
 
+    import zerostate  # noqa: F401
+
+    before = rss_bytes()  # interpreter, torch, torchtitan, zerostate, process groups
     start = time.perf_counter()
     run = train_fsdp2 if contender == "fsdp2" else train_zerostate
     result = run(range(steps))
-    mine = torch.tensor([float(peak_rss_bytes()), float(result["model_state_bytes"])],
-                        dtype=torch.float64)  # fmt: skip
+    seconds = time.perf_counter() - start
+    numbers = (before, peak_rss_bytes(), result["model_state_bytes"],
+               result["model_state_bytes_between_steps"])  # fmt: skip
+    mine = torch.tensor([float(v) for v in numbers], dtype=torch.float64)
     rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
     return {
         "contender": contender,
-        "peak_rss_bytes_per_rank": [int(r[0]) for r in rows],
-        "model_state_bytes_per_rank": [int(r[1]) for r in rows],
+        "mesh": {"dp_shard": 2, "tp": 2},
+        "torch": torch.__version__,
+        "torchtitan": torchtitan.__version__,
+        "rss_before_model_bytes_per_rank": [int(r[0]) for r in rows],
+        "peak_rss_bytes_per_rank": [int(r[1]) for r in rows],
+        "model_state_bytes_per_rank": [int(r[2]) for r in rows],
+        "model_state_bytes_between_steps_per_rank": [int(r[3]) for r in rows],
+        "units": result.get("units"),
         "losses": result["losses"],
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
     }
 
 
 def table(paths: list[str]) -> str:
     """The markdown rows of the given results (one JSON per contender)."""
     lines = [
-        "| contender | peak RSS per rank (MiB) | model-state bytes per rank | last loss |",
-        "|---|---|---|---|",
+        "| contender | peak RSS per rank, MiB (of it before the model) | model-state bytes per "
+        "rank after a step (between steps) | stage-3 units | losses |",
+        "|---|---|---|---|---|",
     ]
     for path in paths:
         with open(path) as f:
             r = json.load(f)
         if "error" in r:
-            lines.append(f"| {r['contender']} | failed: {r['error'][:120]} | | |")
+            lines.append(f"| {r['contender']} | failed: {r['error'][:160]} | | | |")
             continue
-        rss = ", ".join(f"{b / 2**20:.0f}" for b in r["peak_rss_bytes_per_rank"])
-        states = ", ".join(str(b) for b in r["model_state_bytes_per_rank"])
-        lines.append(f"| {r['contender']} | {rss} | {states} | {r['losses'][-1]:.6f} |")
+        rss = ", ".join(
+            f"{peak / 2**20:.0f} ({before / 2**20:.0f})"
+            for peak, before in zip(
+                r["peak_rss_bytes_per_rank"], r["rss_before_model_bytes_per_rank"], strict=True
+            )
+        )
+        after, between = (
+            r["model_state_bytes_per_rank"],
+            r["model_state_bytes_between_steps_per_rank"],
+        )
+        states = ", ".join(
+            f"{a:,}" + ("" if a == b else f" ({b:,})") for a, b in zip(after, between, strict=True)
+        )
+        units = r.get("units")
+        units = "; ".join(f"{n or '(root)'}: {c}" for n, c in units) if units else "-"
+        losses = ", ".join(f"{v:.6f}" for v in r["losses"])
+        lines.append(f"| {r['contender']} | {rss} | {states} | {units} | {losses} |")
     return "\n".join(lines)
 
 

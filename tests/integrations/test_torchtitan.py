@@ -11,7 +11,7 @@ complex64 buffer in every attention block, a replicated DTensor after ``parallel
 
 torchtitan is not in the test extra: 0.3.0 requires ``datasets<4.8``, whose fsspec pin the s3fs
 that zerostate needs cannot meet, so the two do not resolve into one environment.
-``bash scripts/torchtitan_env.sh`` builds a separate one (torchtitan without its training-loop
+``bash scripts/torchtitan.sh test`` builds a separate one (torchtitan without its training-loop
 dependencies) and runs this file there with ``ZEROSTATE_REQUIRE_TORCHTITAN=1``, which turns the
 skip below into a failure. Only a missing ``torchtitan`` package skips: torchtitan present with
 a dependency missing fails."""
@@ -32,7 +32,7 @@ except ModuleNotFoundError as exc:
         raise
     pytest.skip(
         "torchtitan is not installed (0.3.0 cannot share the test environment: its "
-        "datasets<4.8 pins an fsspec older than s3fs needs); `bash scripts/torchtitan_env.sh` "
+        "datasets<4.8 pins an fsspec older than s3fs needs); `bash scripts/torchtitan.sh test` "
         "runs these tests in an environment of their own",
         allow_module_level=True,
     )
