@@ -60,6 +60,8 @@ def main(phase: str, out: str) -> int:
         print(trace, file=sys.stderr, flush=True)
         return 1
     report("losses", result["losses"])
+    if "model_state_bytes" in result:
+        report("model_state_bytes", result["model_state_bytes"])
     report("done", True)
     dist.barrier()
     dist.destroy_process_group()
