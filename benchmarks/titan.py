@@ -53,9 +53,15 @@ LR = 1e-3
 BETAS, EPS = (0.9, 0.999), 1e-8
 
 
-def llama3_config(*, tp: bool) -> Any:
+#: torchtitan's RoPE variants: ``complex`` (Llama3's own, a complex64 cache, llama scaling)
+#: and ``cos_sin`` (its real-valued one, a float32 cache; it has no llama scaling).
+ROPES = ("complex", "cos_sin")
+
+
+def llama3_config(*, tp: bool, rope: str = "complex") -> Any:
     """torchtitan's Llama3 ``debugmodel`` config, with its TP plan declared when ``tp``."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import CosSinRoPE
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
@@ -64,7 +70,12 @@ def llama3_config(*, tp: bool) -> Any:
         # The CPU-capable attention: SDPA, causal (torchtitan's FlexAttention compiles).
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
         # The RoPE cache as torchtitan's trainer sizes it: training.seq_len rows.
-        layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=SEQ)
+        cache = layer.attention.rope
+        if rope == "cos_sin":
+            layer.attention.rope = CosSinRoPE.Config(dim=cache.dim, max_seq_len=SEQ,
+                                                     theta=cache.theta)  # fmt: skip
+        else:
+            layer.attention.rope = dataclasses.replace(cache, max_seq_len=SEQ)
     if tp:
         # What Llama3Model.Config.update_from_config does for the job's parallelism.
         set_llama3_sharding_config(config, enable_sp=True)
@@ -92,7 +103,7 @@ def parallel_dims(dp_shard: int, tp: int) -> Any:
     return dims
 
 
-def build(dims: Any | None) -> Any:
+def build(dims: Any | None, rope: str = "complex") -> Any:
     """The model, the same on every rank (one seed), parallelized by torchtitan's plan
     over ``dims`` (None: a plain model)."""
     import torch
@@ -100,7 +111,7 @@ def build(dims: Any | None) -> Any:
 
     titan_dist.set_spmd_backend("partial_dtensor")  # what torchtitan's loss reads
     torch.manual_seed(0)
-    model = llama3_config(tp=dims is not None).build()
+    model = llama3_config(tp=dims is not None, rope=rope).build()
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))
     if dims is not None:
@@ -173,14 +184,14 @@ def mesh_2x2() -> Any:
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
 
 
-def train_fsdp2(steps: range) -> dict:
+def train_fsdp2(steps: range, rope: str = "complex") -> dict:
     """FSDP2 + TP the torchtitan way on (dp_shard 2 x tp 2)."""
     import torch
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
     dims = parallel_dims(2, 2)
-    model = build(dims)
+    model = build(dims, rope)
     dp_mesh = dims.get_mesh("fsdp")
     apply_fsdp_to_decoder(
         model, dp_mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
@@ -218,7 +229,7 @@ def engine_units(engine: Any) -> list[list]:
 
 def train_zerostate(
     steps: range, *, save_to: str | None = None, save_after: int | None = None,
-    report: Any = None,
+    report: Any = None, rope: str = "complex",
 ) -> dict:  # fmt: skip
     """zerostate stage 3 on (dp_shard 2 x tp 2), default settings; saves to ``save_to`` after
     step ``save_after`` when asked. ``report(key, value)`` hears of progress as it happens
@@ -228,7 +239,7 @@ def train_zerostate(
     report = report or (lambda key, value: None)
     mesh = mesh_2x2()
     dims = parallel_dims(2, 2)
-    model = build(dims)
+    model = build(dims, rope)
     engine = zerostate.Engine(model, mesh=mesh, stage=3, lr=LR)
     report("units", engine_units(engine))
     dp_rank, group = mesh.get_local_rank("dp_shard"), mesh["dp_shard"].get_group()
@@ -250,13 +261,13 @@ def train_zerostate(
     return out
 
 
-def resume_zerostate(load_from: str, steps: range) -> dict:
+def resume_zerostate(load_from: str, steps: range, rope: str = "complex") -> dict:
     """zerostate stage 3 on 2 ranks, no tp, the plain model: loads and trains on."""
     import torch.distributed as dist
 
     import zerostate
 
-    model = build(None)
+    model = build(None, rope)
     engine = zerostate.Engine(model, stage=3, lr=LR)
     engine.load(load_from)
     losses = []
@@ -270,7 +281,7 @@ def resume_zerostate(load_from: str, steps: range) -> dict:
     return {"losses": losses}
 
 
-def measure(contender: str, steps: int) -> dict:
+def measure(contender: str, steps: int, rope: str = "complex") -> dict:
     """One contender's numbers, every rank's, on every rank."""
     import torch
     import torch.distributed as dist
@@ -282,7 +293,7 @@ def measure(contender: str, steps: int) -> dict:
     before = rss_bytes()  # interpreter, torch, torchtitan, zerostate, process groups
     start = time.perf_counter()
     run = train_fsdp2 if contender == "fsdp2" else train_zerostate
-    result = run(range(steps))
+    result = run(range(steps), rope=rope)
     seconds = time.perf_counter() - start
     numbers = (before, peak_rss_bytes(), result["model_state_bytes"],
                result["model_state_bytes_between_steps"])  # fmt: skip
@@ -292,6 +303,7 @@ def measure(contender: str, steps: int) -> dict:
     return {
         "contender": contender,
         "mesh": {"dp_shard": 2, "tp": 2},
+        "rope": rope,
         "torch": torch.__version__,
         "torchtitan": torchtitan.__version__,
         "rss_before_model_bytes_per_rank": [int(r[0]) for r in rows],
@@ -341,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contender", choices=("zerostate", "fsdp2"))
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rope", choices=ROPES, default="complex")
     parser.add_argument("--out")
     parser.add_argument("--table", nargs="+", help="print the markdown rows of these results")
     args = parser.parse_args(argv)
@@ -355,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        result = measure(args.contender, args.steps)
+        result = measure(args.contender, args.steps, args.rope)
     except Exception as exc:  # recorded in the row, and the job fails
         result = {"contender": args.contender, "error": f"{type(exc).__name__}: {exc}",
                   "trace": traceback.format_exc()[-3000:]}  # fmt: skip

@@ -1,4 +1,5 @@
-"""One rank of a torchtitan job (``torchrun --nproc_per_node=N _torchtitan_worker.py PHASE OUT``):
+"""One rank of a torchtitan job (``torchrun --nproc_per_node=N _torchtitan_worker.py PHASE OUT
+ROPE``, ROPE one of benchmarks/titan.py's ``ROPES``):
 
 * ``zerostate`` (4 ranks): torchtitan's Llama3 debugmodel with torchtitan's own TP plan on a
   (dp_shard 2 x tp 2) gloo mesh, ``zerostate.Engine(model, mesh=mesh, stage=3, lr=...)`` at
@@ -27,7 +28,7 @@ import torch.distributed as dist
 STEPS, SAVE_AFTER = 5, 2
 
 
-def main(phase: str, out: str) -> int:
+def main(phase: str, out: str, rope: str) -> int:
     from benchmarks import titan
 
     torch.set_num_threads(1)
@@ -45,12 +46,13 @@ def main(phase: str, out: str) -> int:
         if phase == "zerostate":
             result = titan.train_zerostate(
                 range(STEPS), save_to=os.path.join(out, "ckpt"), save_after=SAVE_AFTER,
-                report=report,
+                report=report, rope=rope,
             )  # fmt: skip
         elif phase == "fsdp2":
-            result = titan.train_fsdp2(range(STEPS))
+            result = titan.train_fsdp2(range(STEPS), rope=rope)
         elif phase == "resume":
-            result = titan.resume_zerostate(os.path.join(out, "ckpt"), range(SAVE_AFTER + 1, STEPS))
+            ckpt, steps = os.path.join(out, "ckpt"), range(SAVE_AFTER + 1, STEPS)
+            result = titan.resume_zerostate(ckpt, steps, rope=rope)
         else:
             raise SystemExit(f"unknown phase {phase!r}")
     except Exception as exc:
@@ -69,4 +71,4 @@ def main(phase: str, out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3]))

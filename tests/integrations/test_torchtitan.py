@@ -1,7 +1,8 @@
 """torchtitan 0.3.0's own Llama3 (the ``debugmodel`` flavour) with torchtitan's own
 tensor-parallel plan on a (dp_shard 2 x tp 2) gloo mesh, zerostate stage 3 at default settings
 for the data-parallel axis, the RoPE caches where torchtitan puts them (a non-persistent
-complex64 buffer in every attention block, a replicated DTensor after ``parallelize``):
+buffer in every attention block, complex64 for Llama3's own RoPE, float32 for torchtitan's
+real-valued one; a replicated DTensor after ``parallelize``):
 
 * it trains, and its losses equal FSDP2 + TP applied the torchtitan way (torchtitan's own
   ``apply_fsdp_to_decoder``) within 1e-5 at every step;
@@ -53,9 +54,9 @@ TOL = 1e-5
 N_BLOCKS = 6  # the debugmodel's
 
 
-def _phase(name: str, nproc: int, out: Path) -> dict:
+def _phase(name: str, nproc: int, out: Path, rope: str) -> dict:
     """Run one phase of the worker; its record (with the error it raised, if any)."""
-    proc = forked_launch.launch(WORKER, nproc, [name, str(out)], env=ENV, timeout=420,
+    proc = forked_launch.launch(WORKER, nproc, [name, str(out), rope], env=ENV, timeout=420,
                                 workdir=out / f".{name}", preload=PRELOAD)  # fmt: skip
     path = out / f"{name}.json"
     record = json.loads(path.read_text()) if path.exists() else {}
@@ -64,15 +65,17 @@ def _phase(name: str, nproc: int, out: Path) -> dict:
     return record
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("torchtitan")
+@pytest.fixture(scope="module", params=["complex", "cos_sin"])
+def runs(request, tmp_path_factory) -> dict:
+    """The three jobs, with torchtitan's Llama3 RoPE (a complex64 cache) and with its
+    real-valued one (a float32 cache): both are non-persistent DTensor buffers."""
+    out = tmp_path_factory.mktemp(f"torchtitan-{request.param}")
     for name in ("zerostate", "fsdp2", "resume"):
         (out / f".{name}").mkdir()
-    zs = _phase("zerostate", 4, out)
-    fsdp2 = _phase("fsdp2", 4, out)
+    zs = _phase("zerostate", 4, out, request.param)
+    fsdp2 = _phase("fsdp2", 4, out, request.param)
     if "saved_after" in zs:
-        resume = _phase("resume", 2, out)
+        resume = _phase("resume", 2, out, request.param)
     else:
         resume = {"error": "the zerostate phase saved no checkpoint: " + zs.get("error", "")}
     return {"zerostate": zs, "fsdp2": fsdp2, "resume": resume}
