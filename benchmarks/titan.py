@@ -240,8 +240,21 @@ def train_zerostate(
     mesh = mesh_2x2()
     dims = parallel_dims(2, 2)
     model = build(dims, rope)
+    blocks = list(model.layers.values())
+    block_bytes = [_local_bytes(b.parameters()) for b in blocks]
+    root_bytes = _local_bytes(model.parameters()) - sum(block_bytes)
     engine = zerostate.Engine(model, mesh=mesh, stage=3, lr=LR)
     report("units", engine_units(engine))
+    gathered: list[list[int]] = []  # [block, gathered bytes] while each block computes
+
+    def probe(i: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:  # before the block's release
+            gathered.append([i, engine.memory_stats()["gathered_params"]])
+
+        return hook
+
+    for i, block in enumerate(blocks):
+        block.register_forward_hook(probe(i), prepend=True)
     dp_rank, group = mesh.get_local_rank("dp_shard"), mesh["dp_shard"].get_group()
     losses = []
     for step in steps:
@@ -256,9 +269,18 @@ def train_zerostate(
             report("saved_after", step)
     states = engine.memory_stats()["model_states"]
     out = {"losses": losses, "units": engine_units(engine), "model_state_bytes": states,
-           "model_state_bytes_between_steps": states}  # fmt: skip
+           "model_state_bytes_between_steps": states, "gathered": gathered,
+           "block_bytes": block_bytes, "root_bytes": root_bytes}  # fmt: skip
     engine.close()
     return out
+
+
+def _local_bytes(params: Any) -> int:
+    """Bytes of this rank's tensor-parallel shards of ``params`` (what stage 3 gathers)."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def resume_zerostate(load_from: str, steps: range, rope: str = "complex") -> dict:

@@ -62,8 +62,9 @@ def main(phase: str, out: str, rope: str) -> int:
         print(trace, file=sys.stderr, flush=True)
         return 1
     report("losses", result["losses"])
-    if "model_state_bytes" in result:
-        report("model_state_bytes", result["model_state_bytes"])
+    for key in ("model_state_bytes", "gathered", "block_bytes", "root_bytes"):
+        if key in result:
+            report(key, result[key])
     report("done", True)
     dist.barrier()
     dist.destroy_process_group()

@@ -142,3 +142,15 @@ def test_model_state_bytes_per_rank_no_more_than_fsdp2(runs):
     print(f"\nmodel-state bytes per rank after a step: zerostate {zs['model_state_bytes']:,}, "
           f"FSDP2 {fsdp2['model_state_bytes']:,}")  # fmt: skip
     assert zs["model_state_bytes"] <= 1.05 * fsdp2["model_state_bytes"]
+
+
+@pytest.mark.slow
+def test_gathered_parameters_stay_at_one_block_and_the_prefetched_one(runs):
+    zs = runs["zerostate"]
+    _ok(zs, "zerostate stage 3 on torchtitan's Llama3 (dp_shard 2 x tp 2)")
+    sizes, root = zs["block_bytes"], zs["root_bytes"]
+    assert len(zs["gathered"]) == 5 * N_BLOCKS, zs["gathered"]
+    for i, gathered in zs["gathered"]:
+        # The block computing, the next one (prefetched) and the root group, tp shards.
+        bound = root + sizes[i] + (sizes[i + 1] if i + 1 < len(sizes) else 0)
+        assert root + sizes[i] <= gathered <= bound, (i, gathered, bound, root + sum(sizes))
