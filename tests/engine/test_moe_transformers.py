@@ -99,6 +99,13 @@ def _reference(kind: str, world_size: int) -> dict[str, torch.Tensor]:
 def test_moe_at_stage_3_trains_like_adamw_with_no_setting(kind: str, world_size: int) -> None:
     results = run_distributed(_worker, world_size, kind, timeout=400)
     ref = _reference(kind, world_size)
+    r0 = results[0]
+    print(
+        f"\n{kind} at {world_size} ranks: {r0['numel']:,} parameters, model-state bytes per rank "
+        f"{r0['model_states']:,} (16 Psi / N = {16 * r0['numel'] / world_size:,.0f}), peak "
+        f"gathered {r0['peak_gathered']:,} (root + 2 layers = {r0['bound']:,}; whole model "
+        f"{4 * r0['numel']:,}), {max(r['seconds'] for r in results):.1f} s"
+    )
     for r in results:
         assert r["seconds"] < 200, r["seconds"]
         for n, p in ref.items():
