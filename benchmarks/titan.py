@@ -47,6 +47,8 @@ import time
 import traceback
 from typing import Any
 
+from benchmarks.mesh import fsdp2_model_state_bytes
+
 #: Tokens per row (divisible by tp: sequence parallelism splits it), rows per rank.
 SEQ, ROWS = 64, 2
 LR = 1e-3
@@ -159,23 +161,6 @@ def rss_bytes() -> int:
 
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def fsdp2_model_state_bytes(model: Any, opt: Any) -> int:
-    """This rank's bytes of parameters, gradients and optimizer states (local shards)."""
-    import torch
-
-    def local(t: Any) -> int:
-        if not isinstance(t, torch.Tensor):
-            return 0
-        t = t.to_local() if hasattr(t, "to_local") else t
-        return t.numel() * t.element_size()
-
-    total = 0
-    for p in model.parameters():
-        total += local(p) + local(p.grad)
-        total += sum(local(v) for v in opt.state.get(p, {}).values())
-    return total
 
 
 def mesh_2x2() -> Any:

@@ -227,14 +227,7 @@ class ParamGroup:
             self.state = GroupState.GATHERED
             return False
         tag = self.index + 1 if tag is None else tag
-        op, buffer = start_all_gather(
-            self.ctx,
-            layout,
-            [p.shard for p in self.params],
-            None,
-            dtype=self.ctx.param_dtype,
-            before_launch=lambda buf: _write_tag(layout, buf, tag),
-        )
+        op, buffer = self._launch_gather(tag)
         self._gather = (op, buffer, tag)
         self.state = GroupState.GATHERING
         return True
@@ -251,11 +244,18 @@ class ParamGroup:
     def join_gather(self) -> None:
         """Take part in another rank's gather of this group, whatever this rank holds,
         and discard what arrives ([Note: conditional units] in zerostate.runtime.schedule)."""
-        layout = self.gather_layout
-        if layout is None:
+        if self.gather_layout is None:
             return
-        tag = self.index + 1
-        op, buffer = start_all_gather(
+        op, buffer = self._launch_gather(self.index + 1)
+        op.complete()
+        if buffer is not None:
+            self.ctx.pool.release(buffer)
+
+    def _launch_gather(self, tag: int) -> tuple[PendingOp, PooledBuffer | None]:
+        """The all-gather of this rank's shards into a pooled buffer, ``tag`` written into
+        this rank's segment ([Note: group tags])."""
+        layout = self.gather_layout
+        return start_all_gather(
             self.ctx,
             layout,
             [p.shard for p in self.params],
@@ -263,9 +263,6 @@ class ParamGroup:
             dtype=self.ctx.param_dtype,
             before_launch=lambda buf: _write_tag(layout, buf, tag),
         )
-        op.complete()
-        if buffer is not None:
-            self.ctx.pool.release(buffer)
 
     def unpack_gather(self) -> None:
         op, buffer, _ = self._gather
