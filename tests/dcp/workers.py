@@ -1,0 +1,127 @@
+"""Rank functions for the DCP plug-in tests: an FSDP2 model with AdamW on gloo ranks, saved
+and loaded through torch's checkpoint API with zerostate's storage and with DCP's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+TRAIN_STEPS = 2
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class Net(nn.Module):
+    """Odd sizes: FSDP2's Shard(0) over 2 ranks is uneven (5 -> 3 + 2, 3 -> 2 + 1); a.weight
+    has an even number of columns, so it can also be sharded by columns (FSDP2 shards
+    only dimension 0 unevenly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def build(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``layout``: ``shard0`` (FSDP2's default Shard(0)), ``shard1`` (a.weight sharded by
+    columns) or ``plain`` (no FSDP)."""
+    torch.manual_seed(0)
+    model = Net()
+    if layout != "plain":
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        def placement(p: nn.Parameter) -> Shard:
+            columns = layout == "shard1" and p.dim() == 2 and p.shape[1] % 2 == 0
+            return Shard(1) if columns else Shard(0)
+
+        for module in (model.a, model.b):
+            fully_shard(module, shard_placement_fn=placement)
+        fully_shard(model, shard_placement_fn=placement)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    return model, opt
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> None:
+    for step in range(steps):
+        model(_batch(step, rank)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_fsdp2(rank: int, world_size: int, ours: str, theirs: str, options: dict | None) -> dict:
+    """Train, then save the same state with our writer (``dcp.save`` twice, then
+    ``dcp.async_save``) and with DCP's ``FileSystemWriter``. Returns this rank's local
+    bytes of ``model.a.weight`` (to find them in the files) and the steps written."""
+    import torch.distributed.checkpoint as dcp
+
+    from zerostate.dcp import StorageWriter
+
+    torch.set_num_threads(1)
+    model, opt = build("shard0")
+    train(model, opt, rank, TRAIN_STEPS)
+    state = state_of(model, opt)
+    steps = []
+    for _ in range(2):
+        writer = StorageWriter(ours, storage_options=options)
+        dcp.save(state, storage_writer=writer)
+        steps.append(writer.step)
+    writer = StorageWriter(ours, storage_options=options)
+    dcp.async_save(state, storage_writer=writer).result()
+    steps.append(writer.step)
+    if theirs:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(theirs))
+    local = state["model"]["a.weight"].to_local().contiguous()
+    return {"steps": steps, "a_weight_local": local.view(torch.uint8).clone()}
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every value of the state, gathered whole, flat by key."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out: dict[str, Any] = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
+    for fqn, states in optim_sd["state"].items():
+        for k, v in states.items():
+            out[f"optim/{fqn}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    out["param_groups"] = optim_sd["param_groups"]
+    return out
+
+
+def load(rank: int, world_size: int, kind: str, path: str, layout: str, options: dict | None,
+         step: int | None = None) -> dict:  # fmt: skip
+    """Load into a fresh model of ``layout`` through our reader (``kind`` "ours") or DCP's
+    (``"theirs"``); returns the full state (rank 0)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from zerostate.dcp import StorageReader
+
+    torch.set_num_threads(1)
+    model, opt = build(layout)
+    train(model, opt, rank + 7, 1)  # other values everywhere: the load must replace them
+    state = state_of(model, opt)
+    reader = (
+        StorageReader(path, step=step, storage_options=options)
+        if kind == "ours"
+        else dcp.FileSystemReader(path)
+    )
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = _full(model, opt)
+    return full if rank == 0 else {}
