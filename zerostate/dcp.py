@@ -665,8 +665,8 @@ def _parse_step(reader: Any) -> _Step:
                 raise CorruptCheckpointError(f"{cwhere}: piece {name!r} serves two chunks")
             if tuple(info.shape) != sizes or info.dtype != dtype:
                 raise CorruptCheckpointError(
-                    f"{cwhere}: piece {name!r} holds {info.dtype} {list(info.shape)}, the box "
-                    f"needs {dtype} {list(sizes)}"
+                    f"{cwhere}: piece {name!r} holds {fmt.dtype_name(info.dtype)} "
+                    f"{list(info.shape)}, the box needs {fmt.dtype_name(dtype)} {list(sizes)}"
                 )
             if (fqn, offsets) in pieces:
                 raise CorruptCheckpointError(f"{cwhere}: two chunks at offsets {list(offsets)}")
