@@ -125,3 +125,61 @@ def load(rank: int, world_size: int, kind: str, path: str, layout: str, options:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     full = _full(model, opt)
     return full if rank == 0 else {}
+
+
+# ------------------------------------------------------------- zerostate.save / load
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 48)
+        self.out = nn.Linear(48, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)))
+
+
+def _halving(step: int) -> float:
+    return 0.5**step
+
+
+def ddp_parts(seed: int, lr: float) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = Wide()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _halving)
+
+
+def ddp_save(rank: int, world_size: int, root: str) -> dict:
+    """DDP + AdamW + LambdaLR, 2 steps, ``zerostate.save``; returns what was saved."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    model, opt, sched = ddp_parts(0, 1e-2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    for step in range(2):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    got = zerostate.save({"model": ddp, "optim": opt, "sched": sched}, root)
+    return {"step": got, **ddp_state(model, opt, sched)}
+
+
+def ddp_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict:
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+    }
+
+
+def ddp_load(rank: int, world_size: int, root: str) -> dict:
+    """A fresh DDP model with other values, ``zerostate.load``; returns what it holds."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    model, opt, sched = ddp_parts(1, 0.5)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    got = zerostate.load({"model": ddp, "optim": opt, "sched": sched}, root)
+    return {"step": got, **ddp_state(model, opt, sched)}
