@@ -76,7 +76,7 @@ from zerostate.store import format as fmt
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.writer import StepExistsError, StepWriter, TensorSpec
 
-__all__ = ["GROUP", "StorageReader", "StorageWriter"]
+__all__ = ["GROUP", "StorageReader", "StorageWriter", "check_boxes", "describe_step"]
 
 #: The state group holding every piece of a DCP step.
 GROUP = "dcp"
@@ -608,6 +608,43 @@ def _read_batch(reader: Any, state: _Step, batch: list[tuple], planner: LoadPlan
 
 
 # ----------------------------------------------------------------- parsing a step
+def describe_step(reader: Any) -> list[dict[str, Any]] | None:
+    """The DCP tensors and values of an open step, validated, for tools (``zerostate
+    inspect``): ``{"key", "kind": "tensor", "shape", "dtype", "chunks": [{"offsets", "sizes",
+    "piece", "rank"}]}`` or ``{"key", "kind": "value"}``; None for a step not written
+    through this module."""
+    if not isinstance(reader.attrs, dict) or ATTR not in reader.attrs:
+        return None
+    state = _parse_step(reader)
+    out: list[dict[str, Any]] = []
+    for key, entry in state.metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            out.append({"key": key, "kind": "value"})
+            continue
+        chunks = []
+        for chunk in entry.chunks:
+            name, _ = state.pieces[(key, tuple(chunk.offsets))]
+            rank = reader.tensors[name].layout.first_owner
+            chunks.append(
+                {
+                    "offsets": list(chunk.offsets),
+                    "sizes": list(chunk.sizes),
+                    "piece": name,
+                    "rank": rank,
+                }
+            )
+        out.append(
+            {
+                "key": key,
+                "kind": "tensor",
+                "shape": list(entry.size),
+                "dtype": fmt.dtype_name(entry.properties.dtype),
+                "chunks": chunks,
+            }
+        )
+    return out
+
+
 def _parse_step(reader: Any) -> _Step:
     """Validate a committed step's DCP document against its pieces; see [Note: DCP steps]."""
     where = f"step {reader.step} at {reader.url}"
