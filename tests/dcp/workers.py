@@ -183,3 +183,100 @@ def ddp_load(rank: int, world_size: int, root: str) -> dict:
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     got = zerostate.load({"model": ddp, "optim": opt, "sched": sched}, root)
     return {"step": got, **ddp_state(model, opt, sched)}
+
+
+# --------------------------------------------- FSDP2 + tensor parallelism (torchtitan's way)
+LLAMA_VOCAB, LLAMA_HIDDEN, LLAMA_INTER = 250, 40, 90  # odd sizes: uneven tp and dp splits
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
+COLWISE += ("mlp.up_proj",)
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=LLAMA_VOCAB, hidden_size=LLAMA_HIDDEN, intermediate_size=LLAMA_INTER,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg)
+
+
+def _llama_opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _llama_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randint(0, LLAMA_VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def llama_layout(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``dp2xtp2``: tp over ColwiseParallel / RowwiseParallel, then fully_shard per layer
+    over dp (4 ranks); ``dp``: fully_shard only; ``plain``: no parallelism."""
+    model = llama()
+    if layout == "dp2xtp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {}
+        for i in range(len(model.model.layers)):
+            plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
+            plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
+        parallelize_module(model, mesh["tp"], plan)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    elif layout == "dp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model, _llama_opt(model)
+
+
+def save_fsdp2_tp(rank: int, world_size: int, ours: str, theirs: str) -> dict:
+    """dp_shard 2 x tp 2: one AdamW step, then ``dcp.save`` with our writer and DCP's."""
+    import torch.distributed.checkpoint as dcp
+
+    from zerostate.dcp import StorageWriter
+
+    torch.set_num_threads(1)
+    model, opt = llama_layout("dp2xtp2")
+    _llama_step(model, opt, seed=1)
+    state = state_of(model, opt)
+    writer = StorageWriter(ours)
+    dcp.save(state, storage_writer=writer)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(theirs))
+    return {"step": writer.step}
+
+
+def load_llama(rank: int, world_size: int, kind: str, path: str, layout: str) -> dict:
+    """A fresh Llama of ``layout`` (after a step of its own, so every value differs), loaded
+    through our reader or DCP's; the full state from rank 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from zerostate.dcp import StorageReader
+
+    torch.set_num_threads(1)
+    model, opt = llama_layout(layout)
+    _llama_step(model, opt, seed=50 + rank)
+    state = state_of(model, opt)
+    reader = StorageReader(path) if kind == "ours" else dcp.FileSystemReader(path)
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = _full(model, opt)
+    return full if rank == 0 else {}
