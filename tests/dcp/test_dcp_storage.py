@@ -10,7 +10,10 @@ damaged file silently).
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tests.dcp import workers
 from tests.helpers_dist import run_distributed
 from zerostate.store import open_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +119,21 @@ def test_s3_save_and_load(s3_server, saved):
     ours = workers.load(0, 1, "ours", url, "plain", options)
     theirs = workers.load(0, 1, "theirs", str(saved["theirs"]), "plain", None)
     assert_same_state(ours, theirs)
+
+
+def test_async_save_with_process_staging(tmp_path):
+    # DCP pickles the writer into its staging process, which saves from there; the ranks
+    # must be torchrun's (the harness's daemonic workers may not start processes).
+    root = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["-m", "tests.dcp.workers", "async-process", str(root)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert open_checkpoint(str(root)).steps() == [0]
+    loaded = workers.load(0, 1, "ours", str(root), "plain", None)
+    rows = [
+        torch.frombuffer(bytearray(Path(f"{root}.rank{r}.bin").read_bytes()), dtype=torch.float32)
+        for r in (0, 1)
+    ]
+    assert torch.equal(loaded["model/a.weight"].reshape(-1), torch.cat(rows))

@@ -280,3 +280,47 @@ def load_llama(rank: int, world_size: int, kind: str, path: str, layout: str) ->
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     full = _full(model, opt)
     return full if rank == 0 else {}
+
+
+def async_process_save(rank: int, world_size: int, root: str) -> dict:
+    """``dcp.async_save`` with process staging: the writer travels to DCP's background
+    process by pickle and saves there. Returns this rank's saved model bytes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from zerostate.dcp import StorageWriter
+
+    torch.set_num_threads(1)
+    model, opt = build("shard0")
+    train(model, opt, rank, TRAIN_STEPS)
+    state = state_of(model, opt)
+    future = dcp.async_save(
+        state,
+        storage_writer=StorageWriter(root),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    future.result()
+    return {"a_weight_local": state["model"]["a.weight"].to_local().clone()}
+
+
+def main() -> None:
+    """``torchrun --nproc-per-node 2 -m tests.dcp.workers async-process ROOT``: the process
+    staging of ``async_save`` needs ranks that may start processes (torchrun's may; the
+    test harness's daemonic workers may not)."""
+    import sys
+
+    import torch.distributed as dist
+
+    task, root = sys.argv[1], sys.argv[2]
+    if task != "async-process":
+        raise SystemExit(f"unknown task {task!r}")
+    dist.init_process_group("gloo")
+    saved = async_process_save(dist.get_rank(), dist.get_world_size(), root)
+    local = saved["a_weight_local"].contiguous()
+    with open(f"{root}.rank{dist.get_rank()}.bin", "wb") as f:  # raw float32, for the test
+        f.write(local.view(torch.uint8).numpy().tobytes())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
