@@ -142,6 +142,7 @@ def load(
     reader = StorageReader(root, step, storage_options=storage_options)
     translated = _translated(state)
     reader.read_metadata()  # a step that is absent, hostile or not DCP's: its own error here
+    reader.requested_step = reader.step  # DCP reads the metadata again: the same step
     try:
         dcp.load(translated, storage_reader=reader, process_group=process_group)
     except CheckpointException as exc:

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from zerostate.dcp import StorageReader, StorageWriter, check_boxes
 from zerostate.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from zerostate.store import open_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -168,3 +169,23 @@ def test_a_committed_step_is_never_overwritten(root):
         dcp.save(_state(), storage_writer=StorageWriter(str(root), step=0))
     with pytest.raises(ConfigError):
         StorageWriter(str(root), keep_last=0)
+
+
+def test_keep_last_keeps_the_newest_steps(tmp_path):
+    root = str(tmp_path / "ckpt")
+    for _ in range(3):
+        dcp.save(_state(), storage_writer=StorageWriter(root, keep_last=2))
+    assert open_checkpoint(root).steps() == [1, 2]
+
+
+def test_a_step_not_written_through_dcp_is_refused_in_one_line(tmp_path):
+    from zerostate.partition import even_layout
+    from zerostate.store import StepWriter, TensorSpec
+
+    root = str(tmp_path / "ckpt")
+    spec = TensorSpec("model/w", (4,), torch.float32, even_layout(4, 1))
+    writer = StepWriter(root, 0, rank=0, world_size=1, specs=[spec])
+    writer.write({"model/w": torch.ones(4)})
+    writer.commit()
+    with pytest.raises(CheckpointError, match="not written through zerostate.dcp"):
+        StorageReader(root).read_metadata()
