@@ -88,6 +88,9 @@ def main() -> None:
     local = torch.tensor([_nbytes(state)], dtype=torch.int64)
     dist.all_reduce(local)
     total = int(local.item())
+    # async_save's collectives run on a thread: their own group, so that they never
+    # interleave with this thread's barriers on the default one (a hang).
+    async_group = dist.new_group(backend="gloo")
     save = {"ours": [], "dcp": []}
     blocked = {"ours": [], "dcp": []}
     for r in range(args.rounds):
@@ -101,7 +104,7 @@ def main() -> None:
 
             def start(w=writer) -> None:
                 nonlocal future
-                future = dcp.async_save(state, storage_writer=w)
+                future = dcp.async_save(state, storage_writer=w, process_group=async_group)
 
             blocked[who].append(_timed(start))
             future.result()  # type: ignore[union-attr]

@@ -280,7 +280,8 @@ class StorageWriter(dcp_storage.StorageWriter):
                 "(step=None takes the next one) or delete it first"
             )
         glob = _GlobalPlan(step, uuid.uuid4().hex, world_size, coordinator, tuple(pieces))
-        # Each rank checks and writes its own part; the specs are built once per rank.
+        # Every rank gets the whole piece list: its StepWriter places its row from all the
+        # specs, and rank 0 checks at commit that every rank planned the same step.
         return [dataclasses.replace(plan, storage_data=glob) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -531,17 +532,21 @@ class StorageReader(dcp_storage.StorageReader):
                 planner.load_bytes(item, buffer)
             else:
                 tensors.append(item)
-        batch: list[tuple[ReadItem, str, tuple[int, ...], int, int]] = []
-        nbytes = 0
-        for item in tensors:
-            request = _read_request(state, item)
-            batch.append(request)
-            nbytes += (request[4] - request[3]) * reader.info(request[1]).dtype.itemsize
-            if nbytes >= READ_BATCH_NBYTES:
+        try:
+            batch: list[tuple[ReadItem, str, tuple[int, ...], int, int]] = []
+            nbytes = 0
+            for item in tensors:
+                request = _read_request(state, item)
+                batch.append(request)
+                nbytes += (request[4] - request[3]) * reader.info(request[1]).dtype.itemsize
+                if nbytes >= READ_BATCH_NBYTES:
+                    _read_batch(reader, state, batch, planner)
+                    batch, nbytes = [], 0
+            if batch:
                 _read_batch(reader, state, batch, planner)
-                batch, nbytes = [], 0
-        if batch:
-            _read_batch(reader, state, batch, planner)
+        finally:
+            # DCP never closes a reader: release the step's read threads once read.
+            self.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
