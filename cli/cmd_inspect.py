@@ -62,6 +62,11 @@ def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
         group["numel"] += int(info.numel)
         group["bytes"] += int(info.nbytes)
     totals = {g: t for g, t in totals.items() if t["num_tensors"] or g in GROUPS}
+    dcp_entries = None
+    if isinstance(st.attrs, dict) and "dcp" in st.attrs:  # a step written through DCP
+        from zerostate.dcp import describe_step
+
+        dcp_entries = describe_step(st)
     committed, partial = (list(steps) for steps in ckpt.scan())  # one listing of the root
     return {
         "checkpoint": root,
@@ -78,6 +83,7 @@ def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
         "tensors": tensors,
         "totals": totals,
         "total_bytes": sum(t["bytes"] for t in tensors),
+        "dcp": dcp_entries,
     }
 
 
@@ -129,7 +135,27 @@ def run(args: argparse.Namespace) -> int:
         f"{'total':<8} {len(rows):>6} tensors {'':>16}          "
         f"{human_bytes(data['total_bytes']):>12}"
     )
+    if data["dcp"] is not None:
+        _print_dcp(data["dcp"])
     return 0
+
+
+def _print_dcp(entries: list[dict[str, Any]]) -> None:
+    """The global tensors of a step written through ``zerostate.dcp`` and where each box
+    lies: ``[rows, columns, ...] on rank r``."""
+    print(f"torch.distributed.checkpoint state ({len(entries)} keys):")
+    for entry in entries:
+        if entry["kind"] == "value":
+            print(f"  {entry['key']}  (non-tensor value, JSON)")
+            continue
+        shape = "x".join(map(str, entry["shape"])) or "scalar"
+        boxes = ", ".join(
+            "["
+            + ", ".join(f"{o}:{o + n}" for o, n in zip(c["offsets"], c["sizes"], strict=True))
+            + f"] rank {c['rank']}"
+            for c in entry["chunks"]
+        )
+        print(f"  {entry['key']}  {shape} {entry['dtype']}: {boxes}")
 
 
 def _step_list(steps: list[int], limit: int = 20, latest: bool = True) -> str:

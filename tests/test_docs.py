@@ -16,7 +16,13 @@ from helpers_dist import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-PAGES = ["api.md", "coming-from-deepspeed.md", "coming-from-fsdp.md", "troubleshooting.md"]
+PAGES = [
+    "api.md",
+    "coming-from-deepspeed.md",
+    "coming-from-fsdp.md",
+    "dcp.md",
+    "troubleshooting.md",
+]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 
 RUNNER = """

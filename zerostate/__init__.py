@@ -34,6 +34,8 @@ __all__ = [
     "ZerostateError",
     "__version__",
     "check_storage",
+    "load",
+    "save",
 ]
 
 
@@ -48,6 +50,10 @@ def __getattr__(name: str):
         from zerostate.checkpoint import SaveHandle
 
         return SaveHandle
+    if name in ("save", "load"):  # torch.distributed.checkpoint, imported on first use
+        from zerostate import api
+
+        return getattr(api, name)
     if name == "check_storage":
         from zerostate.store.options import check_storage
 

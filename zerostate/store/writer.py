@@ -358,9 +358,15 @@ class StepWriter:
         self._manifest_written = True
 
     # ----------------------------------------------------------------- commit
-    def commit(self, wait: bool = True) -> None:
+    def commit(self, wait: bool = True, *, attrs: dict | None = None) -> None:
         """Rank 0: wait for every manifest, then write the commit record. Other ranks:
-        wait (if ``wait``) until the commit record appears. Raises CommitTimeoutError."""
+        wait (if ``wait``) until the commit record appears. Raises CommitTimeoutError.
+
+        ``attrs`` (rank 0) replace the ones given at construction: a client that learns
+        what to commit only after every rank wrote (``zerostate.dcp``: DCP's metadata and
+        the non-tensor values gathered from all ranks) hands them over here."""
+        if attrs is not None:
+            self._attrs = fmt.check_json(dict(attrs), "attrs")
         with self._lock:
             if not self._manifest_written:
                 needed = set().union(*self._waiting.values()) if self._waiting else set()

@@ -1,0 +1,1 @@
+"""Tests of zerostate.dcp, torch.distributed.checkpoint storage plug-ins over the store."""

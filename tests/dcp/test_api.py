@@ -1,0 +1,87 @@
+"""``zerostate.save`` / ``zerostate.load``: a DDP model, torch's AdamW and an LR scheduler
+saved at 2 gloo ranks load at 3 ranks and in one process bit for bit; the replicated
+state is stored once, spread over the ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerostate
+from tests.dcp import workers
+from tests.helpers_dist import run_distributed
+from zerostate.errors import CheckpointError, ConfigError
+from zerostate.store import open_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, where
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("api") / "ckpt"
+    results = run_distributed(workers.ddp_save, 2, str(root))
+    assert [r["step"] for r in results] == [0, 0]
+    assert_same(results[0], results[1])  # DDP: every rank holds the same state
+    return {"root": root, "state": results[0]}
+
+
+def test_one_process_loads_bit_identical(saved):
+    model, opt, sched = workers.ddp_parts(1, 0.5)  # other values: all must be replaced
+    step = zerostate.load({"model": model, "optim": opt, "sched": sched}, str(saved["root"]))
+    assert step == 0
+    want = {k: v for k, v in saved["state"].items() if k != "step"}
+    assert_same(workers.ddp_state(model, opt, sched), want)
+    assert opt.param_groups[0]["lr"] == 1e-2 * 0.25  # the scheduler's lr after 2 steps
+
+
+def test_three_ranks_load_bit_identical(saved):
+    for got in run_distributed(workers.ddp_load, 3, str(saved["root"])):
+        assert_same(got, saved["state"])  # the step number too
+
+
+def test_replicated_state_is_stored_once_spread_over_ranks(saved):
+    state = saved["state"]
+    model_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
+    optim_bytes = sum(
+        t.numel() * t.element_size()
+        for per_param in state["optim"]["state"].values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    )
+    with open_checkpoint(str(saved["root"])).step() as step:
+        stored = sum(info.numel * info.dtype.itemsize for info in step.tensors.values())
+        rows = step.row_objects()
+    # Every tensor once: not once per rank.
+    assert stored == model_bytes + optim_bytes
+    # Both ranks write part of it, and the files hold little besides.
+    assert sorted(r for _, r, _ in rows) == [0, 1]
+    on_disk = sum(nbytes for _, _, nbytes in rows)
+    assert stored <= on_disk < 1.25 * stored, (stored, on_disk)
+
+
+def test_bad_states_and_roots_are_refused(saved, tmp_path):
+    model, opt, _ = workers.ddp_parts(0, 0.1)
+    with pytest.raises(ConfigError, match="optimizer 'optim'"):
+        zerostate.save({"optim": opt}, str(tmp_path / "x"))
+    with pytest.raises(ConfigError, match="dict with string keys"):
+        zerostate.save([model], str(tmp_path / "x"))
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        zerostate.load({"model": model}, str(tmp_path / "empty"))
+    with pytest.raises(CheckpointError, match="already committed"):
+        zerostate.save({"model": model}, str(saved["root"]), step=0)

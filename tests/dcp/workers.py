@@ -1,0 +1,326 @@
+"""Rank functions for the DCP plug-in tests: an FSDP2 model with AdamW on gloo ranks, saved
+and loaded through torch's checkpoint API with zerostate's storage and with DCP's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+TRAIN_STEPS = 2
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+class Net(nn.Module):
+    """Odd sizes: FSDP2's Shard(0) over 2 ranks is uneven (5 -> 3 + 2, 3 -> 2 + 1); a.weight
+    has an even number of columns, so it can also be sharded by columns (FSDP2 shards
+    only dimension 0 unevenly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 5)
+        self.b = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def build(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``layout``: ``shard0`` (FSDP2's default Shard(0)), ``shard1`` (a.weight sharded by
+    columns) or ``plain`` (no FSDP)."""
+    torch.manual_seed(0)
+    model = Net()
+    if layout != "plain":
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Shard
+
+        def placement(p: nn.Parameter) -> Shard:
+            columns = layout == "shard1" and p.dim() == 2 and p.shape[1] % 2 == 0
+            return Shard(1) if columns else Shard(0)
+
+        for module in (model.a, model.b):
+            fully_shard(module, shard_placement_fn=placement)
+        fully_shard(model, shard_placement_fn=placement)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    return model, opt
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> None:
+    for step in range(steps):
+        model(_batch(step, rank)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_fsdp2(rank: int, world_size: int, ours: str, theirs: str, options: dict | None) -> dict:
+    """Train, then save the same state with our writer (``dcp.save`` twice, then
+    ``dcp.async_save``) and with DCP's ``FileSystemWriter``. Returns this rank's local
+    bytes of ``model.a.weight`` (to find them in the files) and the steps written."""
+    import torch.distributed.checkpoint as dcp
+
+    from zerostate.dcp import StorageWriter
+
+    torch.set_num_threads(1)
+    model, opt = build("shard0")
+    train(model, opt, rank, TRAIN_STEPS)
+    state = state_of(model, opt)
+    steps = []
+    for _ in range(2):
+        writer = StorageWriter(ours, storage_options=options)
+        dcp.save(state, storage_writer=writer)
+        steps.append(writer.step)
+    writer = StorageWriter(ours, storage_options=options)
+    dcp.async_save(state, storage_writer=writer).result()
+    steps.append(writer.step)
+    if theirs:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(theirs))
+    local = state["model"]["a.weight"].to_local().contiguous()
+    return {"steps": steps, "a_weight_local": local.view(torch.uint8).clone()}
+
+
+def _full(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Every value of the state, gathered whole, flat by key."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out: dict[str, Any] = {f"model/{k}": v.detach().clone() for k, v in model_sd.items()}
+    for fqn, states in optim_sd["state"].items():
+        for k, v in states.items():
+            out[f"optim/{fqn}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+    out["param_groups"] = optim_sd["param_groups"]
+    return out
+
+
+def load(rank: int, world_size: int, kind: str, path: str, layout: str, options: dict | None,
+         step: int | None = None) -> dict:  # fmt: skip
+    """Load into a fresh model of ``layout`` through our reader (``kind`` "ours") or DCP's
+    (``"theirs"``); returns the full state (rank 0)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from zerostate.dcp import StorageReader
+
+    torch.set_num_threads(1)
+    model, opt = build(layout)
+    train(model, opt, rank + 7, 1)  # other values everywhere: the load must replace them
+    state = state_of(model, opt)
+    reader = (
+        StorageReader(path, step=step, storage_options=options)
+        if kind == "ours"
+        else dcp.FileSystemReader(path)
+    )
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = _full(model, opt)
+    return full if rank == 0 else {}
+
+
+# ------------------------------------------------------------- zerostate.save / load
+class Wide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 48)
+        self.out = nn.Linear(48, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.inp(x)))
+
+
+def _halving(step: int) -> float:
+    return 0.5**step
+
+
+def ddp_parts(seed: int, lr: float) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = Wide()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _halving)
+
+
+def ddp_save(rank: int, world_size: int, root: str) -> dict:
+    """DDP + AdamW + LambdaLR, 2 steps, ``zerostate.save``; returns what was saved."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    model, opt, sched = ddp_parts(0, 1e-2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    for step in range(2):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    got = zerostate.save({"model": ddp, "optim": opt, "sched": sched}, root)
+    return {"step": got, **ddp_state(model, opt, sched)}
+
+
+def ddp_state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict:
+    return {
+        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+    }
+
+
+def ddp_load(rank: int, world_size: int, root: str) -> dict:
+    """A fresh DDP model with other values, ``zerostate.load``; returns what it holds."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    model, opt, sched = ddp_parts(1, 0.5)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    got = zerostate.load({"model": ddp, "optim": opt, "sched": sched}, root)
+    return {"step": got, **ddp_state(model, opt, sched)}
+
+
+# --------------------------------------------- FSDP2 + tensor parallelism (torchtitan's way)
+LLAMA_VOCAB, LLAMA_HIDDEN, LLAMA_INTER = 250, 40, 90  # odd sizes: uneven tp and dp splits
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
+COLWISE += ("mlp.up_proj",)
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=LLAMA_VOCAB, hidden_size=LLAMA_HIDDEN, intermediate_size=LLAMA_INTER,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    return LlamaForCausalLM(cfg)
+
+
+def _llama_opt(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _llama_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randint(0, LLAMA_VOCAB, (2, 6), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def llama_layout(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``dp2xtp2``: tp over ColwiseParallel / RowwiseParallel, then fully_shard per layer
+    over dp (4 ranks); ``dp``: fully_shard only; ``plain``: no parallelism."""
+    model = llama()
+    if layout == "dp2xtp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = {}
+        for i in range(len(model.model.layers)):
+            plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
+            plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
+        parallelize_module(model, mesh["tp"], plan)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    elif layout == "dp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model, _llama_opt(model)
+
+
+def save_fsdp2_tp(rank: int, world_size: int, ours: str, theirs: str) -> dict:
+    """dp_shard 2 x tp 2: one AdamW step, then ``dcp.save`` with our writer and DCP's."""
+    import torch.distributed.checkpoint as dcp
+
+    from zerostate.dcp import StorageWriter
+
+    torch.set_num_threads(1)
+    model, opt = llama_layout("dp2xtp2")
+    _llama_step(model, opt, seed=1)
+    state = state_of(model, opt)
+    writer = StorageWriter(ours)
+    dcp.save(state, storage_writer=writer)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(theirs))
+    return {"step": writer.step}
+
+
+def load_llama(rank: int, world_size: int, kind: str, path: str, layout: str) -> dict:
+    """A fresh Llama of ``layout`` (after a step of its own, so every value differs), loaded
+    through our reader or DCP's; the full state from rank 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from zerostate.dcp import StorageReader
+
+    torch.set_num_threads(1)
+    model, opt = llama_layout(layout)
+    _llama_step(model, opt, seed=50 + rank)
+    state = state_of(model, opt)
+    reader = StorageReader(path) if kind == "ours" else dcp.FileSystemReader(path)
+    dcp.load(state, storage_reader=reader)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = _full(model, opt)
+    return full if rank == 0 else {}
+
+
+def async_process_save(rank: int, world_size: int, root: str) -> dict:
+    """``dcp.async_save`` with process staging: the writer travels to DCP's background
+    process by pickle and saves there. Returns this rank's saved model bytes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from zerostate.dcp import StorageWriter
+
+    torch.set_num_threads(1)
+    model, opt = build("shard0")
+    train(model, opt, rank, TRAIN_STEPS)
+    state = state_of(model, opt)
+    future = dcp.async_save(
+        state,
+        storage_writer=StorageWriter(root),
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    )
+    future.result()
+    return {"a_weight_local": state["model"]["a.weight"].to_local().clone()}
+
+
+def main() -> None:
+    """``torchrun --nproc-per-node 2 -m tests.dcp.workers async-process ROOT``: the process
+    staging of ``async_save`` needs ranks that may start processes (torchrun's may; the
+    test harness's daemonic workers may not)."""
+    import sys
+
+    import torch.distributed as dist
+
+    task, root = sys.argv[1], sys.argv[2]
+    if task != "async-process":
+        raise SystemExit(f"unknown task {task!r}")
+    dist.init_process_group("gloo")
+    saved = async_process_save(dist.get_rank(), dist.get_world_size(), root)
+    local = saved["a_weight_local"].contiguous()
+    with open(f"{root}.rank{dist.get_rank()}.bin", "wb") as f:  # raw float32, for the test
+        f.write(local.view(torch.uint8).numpy().tobytes())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

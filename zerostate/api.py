@@ -1,0 +1,156 @@
+"""``zerostate.save`` / ``zerostate.load``: any trainer's state into the store, through
+torch's checkpoint API with zerostate's storage plug-ins (``zerostate.dcp``).
+
+The state follows DCP's contract: a dict of tensors, DTensors, nested dicts and objects with
+``state_dict`` / ``load_state_dict`` (schedulers, samplers). Two kinds of object are
+translated first, so that what is stored does not depend on how the job was wrapped or how
+many ranks it ran on:
+
+- a ``torch.nn.Module`` (plain, DDP, FSDP2, compiled) is saved with torch's
+  ``get_model_state_dict``: parameter names without wrapper prefixes, DTensors as their
+  global tensors' boxes;
+- a ``torch.optim.Optimizer`` is saved with ``get_optimizer_state_dict`` against the module
+  of the same state that holds its parameters: its state is keyed by parameter names, not
+  by positions, so it loads into any world size and any wrapping of the same model.
+
+Tensors that every rank holds alike (a DDP model, its optimizer state) are written once:
+DCP's planner keeps one copy of each and spreads them over the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from zerostate.dcp import StorageReader, StorageWriter
+from zerostate.errors import ConfigError, ZerostateError
+
+__all__ = ["load", "save"]
+
+
+class _ModuleState(Stateful):
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, state_dict)
+
+
+class _OptimizerState(Stateful):
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, state_dict)
+
+
+def _translated(state: Any) -> dict[str, Any]:
+    """``state`` with modules and optimizers wrapped as described in the module docstring."""
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise ConfigError(
+            "the state must be a dict with string keys (DCP's contract), e.g. "
+            "{'model': model, 'optim': optimizer, 'sched': scheduler}"
+        )
+    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out[key] = _ModuleState(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            params = {id(p) for group in value.param_groups for p in group["params"]}
+            owners = [m for m in modules.values() if params <= {id(p) for p in m.parameters()}]
+            if len(owners) != 1:
+                found = "no module" if not owners else f"{len(owners)} modules"
+                raise ConfigError(
+                    f"optimizer {key!r}: {found} of the state hold all its parameters; put "
+                    "the model it trains in the same state (its state is stored under the "
+                    "model's parameter names, so that it loads at any world size)"
+                )
+            out[key] = _OptimizerState(owners[0], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _unwrapped(exc: CheckpointException) -> BaseException:
+    """The first zerostate error inside DCP's per-rank exception, or DCP's own."""
+    for failure in exc.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, ZerostateError):
+            return inner
+    return exc
+
+
+def save(
+    state: dict[str, Any],
+    root: str | os.PathLike,
+    step: int | None = None,
+    *,
+    blocking: bool = True,
+    keep_last: int | None = None,
+    storage_options: dict | None = None,
+    process_group: Any = None,
+) -> Any:
+    """Save ``state`` as a step of the checkpoint root ``root`` (a path or fsspec URL);
+    collective: every rank of ``process_group`` calls it. ``step`` None takes the step after
+    the newest committed one. Returns the step written, or with ``blocking=False`` DCP's
+    future of the save (the state is staged first; training may go on), whose result is
+    DCP's metadata once the step is committed; as with DCP's ``async_save``, pass a
+    ``process_group`` of its own (``dist.new_group(backend="gloo")``) when training runs
+    collectives while the save is in flight. ``keep_last`` keeps only the newest that many
+    committed steps."""
+    writer = StorageWriter(root, step, keep_last, storage_options=storage_options)
+    translated = _translated(state)
+    try:
+        if not blocking:
+            return dcp.async_save(translated, storage_writer=writer, process_group=process_group)
+        dcp.save(translated, storage_writer=writer, process_group=process_group)
+    except CheckpointException as exc:
+        raise _unwrapped(exc) from exc
+    return writer.step
+
+
+def load(
+    state: dict[str, Any],
+    root: str | os.PathLike,
+    step: int | None = None,
+    *,
+    storage_options: dict | None = None,
+    process_group: Any = None,
+) -> int:
+    """Load a step of ``root`` into ``state`` (in place: tensors are filled, objects get
+    ``load_state_dict``), at any world size; collective. ``step`` None loads the newest
+    committed step. Returns the step loaded."""
+    reader = StorageReader(root, step, storage_options=storage_options)
+    translated = _translated(state)
+    reader.read_metadata()  # a step that is absent, hostile or not DCP's: its own error here
+    reader.requested_step = reader.step  # DCP reads the metadata again: the same step
+    try:
+        dcp.load(translated, storage_reader=reader, process_group=process_group)
+    except CheckpointException as exc:
+        raise _unwrapped(exc) from exc
+    finally:
+        reader.close()
+    if reader.step is None:
+        raise ZerostateError("internal: the load opened no step")
+    return reader.step
