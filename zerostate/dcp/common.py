@@ -1,0 +1,165 @@
+"""What the DCP writer and reader share: piece names, the global plan, checks of what is read
+([Note: DCP steps] in zerostate.dcp)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerostate.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+)
+from zerostate.partition import TensorLayout
+from zerostate.store import format as fmt
+from zerostate.store.writer import TensorSpec
+
+#: The state group holding every piece of a DCP step.
+GROUP = "dcp"
+#: Key of the DCP document in the commit record's ``attrs``, and its version.
+ATTR = "dcp"
+DCP_VERSION = 1
+#: At most this many dimensions in a tensor (as the store's shapes).
+MAX_DIMS = 64
+#: Bytes of pieces one read batch holds in memory at once.
+READ_BATCH_NBYTES = 256 << 20
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _piece_name(rank: int, seq: int, fqn: str) -> str:
+    """A valid store name for piece ``seq`` of ``rank`` that still shows the FQN: the rank
+    first, so each rank's pieces are adjacent in name (slot) order."""
+    readable = _UNSAFE.sub("_", fqn)[:150]
+    name = f"r{rank:05d}.{seq:07d}.{readable}"
+    if name.endswith(".partial"):  # reserved for files being written
+        name += "_"
+    return f"{GROUP}/{name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    name: str
+    fqn: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    owner: int  # the store rank that writes it
+
+    def spec(self, world_size: int) -> TensorSpec:
+        numel = math.prod(self.sizes)
+        layout = TensorLayout(numel, world_size, max(1, numel), self.owner)
+        return TensorSpec(self.name, self.sizes, self.dtype, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalPlan:
+    """What the coordinator decides for the whole save; sent to every rank in its plan."""
+
+    step: int
+    save_id: str
+    world_size: int
+    coordinator: int
+    pieces: tuple[_Piece, ...]
+
+    def store_rank(self, rank: int) -> int:
+        """The store rank of a DCP rank: the coordinator is the store's rank 0 (it commits)."""
+        return (rank - self.coordinator) % self.world_size
+
+
+def _rank_of_caller(kwargs: dict) -> int:
+    rank = kwargs.get("rank")
+    if rank is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return int(rank)
+
+
+def _root_text(root: Any) -> str:
+    if isinstance(root, (str, os.PathLike)):
+        text = os.fspath(root)
+        if isinstance(text, str) and text:
+            return text
+    raise ConfigError(f"a checkpoint root must be a path or URL, got {root!r}")
+
+
+def _check_step(step: Any) -> int | None:
+    if step is None:
+        return None
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= fmt.MAX_STEP:
+        raise ConfigError(f"step must be an int in [0, {fmt.MAX_STEP}] or None, got {step!r}")
+    return step
+
+
+def _check_fqn(fqn: Any, where: str) -> None:
+    if not isinstance(fqn, str) or not fqn or len(fqn) > 4096:
+        raise CorruptCheckpointError(f"{where}: key {str(fqn)[:80]!r} is not a valid state key")
+
+
+def _ints(value: Any, what: str, max_len: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > max_len:
+        raise CorruptCheckpointError(f"{what} is not a list of at most {max_len} integers")
+    out = []
+    for v in value:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 62:
+            raise CorruptCheckpointError(f"{what}: {v!r} is not a non-negative integer")
+        out.append(v)
+    return tuple(out)
+
+
+def _planner_data(data: Any, where: str) -> dict[str, tuple]:
+    """DCP's default planners keep ``{flat key: path}`` with paths of strings and ints."""
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{where}: planner data is not a mapping")
+    out = {}
+    for key, path in data.items():
+        ok = isinstance(key, str) and isinstance(path, (list, tuple))
+        if not ok or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
+            raise CorruptCheckpointError(
+                f"{where}: planner data entry {str(key)[:80]!r} is malformed"
+            )
+        out[key] = tuple(path)
+    return out
+
+
+def check_boxes(
+    shape: tuple[int, ...], boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]], what: str
+) -> None:
+    """Boxes ``(offsets, sizes)`` lie inside ``shape`` (checked by the caller), do not
+    overlap and together cover it: else CorruptCheckpointError naming ``what``.
+
+    Disjointness by a sweep along the dimension where offsets vary most: each box is
+    compared only with the boxes whose extent on that dimension it meets, which for the
+    grid-like layouts DCP plans is a handful, not all of them."""
+    solid = [(o, s) for o, s in boxes if all(s)]
+    numel = math.prod(shape)
+    covered = sum(math.prod(s) for _, s in solid)
+    if not shape:
+        if len(solid) != 1:
+            raise CorruptCheckpointError(f"{what}: a scalar needs one chunk, found {len(solid)}")
+        return
+    dim = max(range(len(shape)), key=lambda d: len({o[d] for o, _ in solid}))
+    solid.sort(key=lambda box: box[0][dim])
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, size in solid:
+        start = off[dim]
+        active = [b for b in active if b[0][dim] + b[1][dim] > start]
+        for o2, s2 in active:
+            if all(
+                a < b2 + n2 and b2 < a + n for a, n, b2, n2 in zip(off, size, o2, s2, strict=True)
+            ):
+                raise CorruptCheckpointError(
+                    f"{what}: chunks at {list(o2)} (sizes {list(s2)}) and {list(off)} (sizes "
+                    f"{list(size)}) overlap"
+                )
+        active.append((off, size))
+    if covered != numel:
+        raise CorruptCheckpointError(
+            f"{what}: chunks cover {covered} of the tensor's {numel} elements (shape "
+            f"{list(shape)}); the step is damaged or incomplete"
+        )

@@ -1,0 +1,311 @@
+"""The DCP storage writer: each rank's chunks into its row, the metadata as JSON in the
+commit record ([Note: DCP steps] in zerostate.dcp)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from zerostate import jsonstate
+from zerostate.dcp.common import (
+    ATTR,
+    DCP_VERSION,
+    _check_step,
+    _GlobalPlan,
+    _Piece,
+    _piece_name,
+    _rank_of_caller,
+    _root_text,
+)
+from zerostate.errors import (
+    CheckpointError,
+    ConfigError,
+)
+from zerostate.store import format as fmt
+from zerostate.store.root import CheckpointRoot
+from zerostate.store.writer import StepExistsError, StepWriter
+
+
+class StorageWriter(dcp_storage.StorageWriter):
+    """DCP's storage writer into a zerostate checkpoint root (a path or fsspec URL).
+
+    ``step`` None saves the step after the newest committed one (0 in an empty root); a
+    committed step is never overwritten (:class:`~zerostate.store.StepExistsError`).
+    ``keep_last`` keeps only the newest that many committed steps after each save.
+    ``checkpoint_id`` given to ``dcp.save`` replaces the root. The object is plain data
+    until a save starts, so ``async_save`` may hand it to a staging process.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        step: int | None = None,
+        keep_last: int | None = None,
+        *,
+        storage_options: dict | None = None,
+        timeout_s: float = 600.0,
+        num_threads: int = 8,
+    ) -> None:
+        super().__init__()
+        self.root = _root_text(root)
+        self.requested_step = _check_step(step)
+        if keep_last is not None and (
+            not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+        ):
+            raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
+        self.keep_last = keep_last
+        self.storage_options = dict(storage_options or {})
+        self.timeout_s, self.num_threads = float(timeout_s), int(num_threads)
+        #: The step the last save wrote (set on every rank once its plan arrives).
+        self.step: int | None = None
+        self._reset_save()
+
+    def _reset_save(self) -> None:
+        self._rank = 0
+        self._is_coordinator = False
+        self._plan: _GlobalPlan | None = None
+        self._writer: StepWriter | None = None
+        self._root: CheckpointRoot | None = None
+
+    def __getstate__(self) -> dict:
+        # Staging processes get the configuration only; a save opens what it needs.
+        state = dict(self.__dict__)
+        state.update(_plan=None, _writer=None, _root=None)
+        return state
+
+    def _open_root(self) -> CheckpointRoot:
+        if self._root is None:
+            self._root = CheckpointRoot.open(
+                self.root, self.storage_options or None, num_threads=self.num_threads
+            )
+        return self._root
+
+    # ------------------------------------------------------------- DCP interface
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.root = _root_text(checkpoint_id)
+        self._reset_save()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            _root_text(checkpoint_id)
+        except ConfigError:
+            return False
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.root)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise ConfigError(
+                "zerostate.dcp.StorageWriter needs use_collectives=True: a step is committed "
+                "once, by one rank, after every rank's writes are durable"
+            )
+        self._is_coordinator = bool(is_coordinator)
+        self._rank = _rank_of_caller(kwargs)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # The rank travels with the plan so the coordinator knows who it is.
+        return dataclasses.replace(plan, storage_data=self._rank)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        world_size = len(plans)
+        coordinator = self._rank
+        if world_size > fmt.MAX_RANKS + 1:
+            raise ConfigError(f"{world_size} ranks exceed the store's {fmt.MAX_RANKS + 1}")
+        pieces: list[_Piece] = []
+        for index, plan in enumerate(plans):
+            store_rank = (index - coordinator) % world_size
+            seq = 0
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                td = item.tensor_data
+                if td is None:
+                    raise ConfigError(f"{item.index.fqn}: a tensor item without tensor data")
+                try:
+                    fmt.dtype_name(td.properties.dtype)
+                except ConfigError as exc:
+                    raise ConfigError(f"{item.index.fqn}: {exc}") from None
+                pieces.append(
+                    _Piece(
+                        _piece_name(store_rank, seq, item.index.fqn),
+                        item.index.fqn,
+                        tuple(int(o) for o in td.chunk.offsets),
+                        tuple(int(s) for s in td.chunk.sizes),
+                        td.properties.dtype,
+                        store_rank,
+                    )
+                )
+                seq += 1
+        root = self._open_root()
+        step = self.requested_step
+        if step is None:
+            committed = root.steps()
+            step = committed[-1] + 1 if committed else 0
+        check = root.check_save(step)  # also clears a crashed save's partial step
+        if check.exists:
+            raise StepExistsError(
+                f"step {step} is already committed at {root.url}; save under another step "
+                "(step=None takes the next one) or delete it first"
+            )
+        glob = _GlobalPlan(step, uuid.uuid4().hex, world_size, coordinator, tuple(pieces))
+        # Every rank gets the whole piece list: its StepWriter places its row from all the
+        # specs, and rank 0 checks at commit that every rank planned the same step.
+        return [dataclasses.replace(plan, storage_data=glob) for plan in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        glob = plan.storage_data
+        if not isinstance(glob, _GlobalPlan):
+            raise CheckpointError("internal: the save plan lacks zerostate's global plan")
+        self._plan, self.step = glob, glob.step
+        me = glob.store_rank(self._rank)
+        mine = {(p.fqn, p.offsets): p for p in glob.pieces if p.owner == me}
+        results: list[WriteResult] = []
+        shards: dict[str, torch.Tensor] = {}
+        # Non-tensor values first: one that cannot be stored fails the save before this
+        # rank writes anything.
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                value = _encode_value(item, planner)
+                results.append(WriteResult(item.index, len(fmt.dumps(value)), ("value", value)))
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            offsets = tuple(int(o) for o in item.tensor_data.chunk.offsets)  # type: ignore[union-attr]
+            piece = mine.get((item.index.fqn, offsets))
+            if piece is None:
+                raise CheckpointError(f"internal: no piece planned for {item.index.fqn}")
+            data = planner.resolve_data(item)
+            if not isinstance(data, torch.Tensor):
+                raise ConfigError(f"{item.index.fqn}: the planner gave {type(data).__name__}")
+            data = data.detach()
+            if tuple(data.shape) != piece.sizes or data.dtype != piece.dtype:
+                raise ConfigError(
+                    f"{item.index.fqn}: the planner gave a {data.dtype} tensor of shape "
+                    f"{list(data.shape)} for a chunk of {piece.dtype} {list(piece.sizes)}"
+                )
+            # The store writes a byte view of a contiguous CPU tensor, without a copy.
+            shards[piece.name] = data.to("cpu").contiguous().reshape(-1)
+            results.append(
+                WriteResult(item.index, data.numel() * data.element_size(), ("piece", piece.name))
+            )
+        self._writer = StepWriter(
+            self._open_root().storage,
+            glob.step,
+            rank=me,
+            world_size=glob.world_size,
+            specs=[p.spec(glob.world_size) for p in glob.pieces],
+            timeout_s=self.timeout_s,
+            num_threads=self.num_threads,
+            save_id=glob.save_id,
+        )
+        try:
+            self._writer.write(shards)  # every row of this rank, then its manifest
+        except BaseException as exc:
+            self._writer.abort(exc)
+            raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        glob, writer = self._plan, self._writer
+        if glob is None or writer is None:
+            raise CheckpointError("internal: finish() before write_data()")
+        values: dict[str, Any] = {}
+        for rank_results in results:
+            for result in rank_results:
+                kind, payload = result.storage_data
+                if kind == "value":
+                    values[result.index.fqn] = payload
+        document = _metadata_json(metadata, glob, values)
+        writer.commit(attrs={ATTR: document})
+        if self.keep_last is not None:
+            self._open_root().prune(keep_last=self.keep_last, partial_below=None)
+
+
+def _encode_value(item: WriteItem, planner: SavePlanner) -> Any:
+    """A non-tensor value as JSON (``zerostate.jsonstate``), looked up in the state the
+    planner holds; a value that JSON cannot hold raises ConfigError naming its key."""
+    fqn = item.index.fqn
+    lookup = getattr(planner, "lookup_object", None)
+    if callable(lookup):
+        obj = lookup(item.index)
+    else:  # a planner without the default's lookup: undo its torch.save of our own value
+        buffer = planner.resolve_data(item)
+        buffer.seek(0)  # type: ignore[union-attr]
+        try:
+            obj = torch.load(buffer, weights_only=True)  # type: ignore[arg-type]
+        except Exception as exc:
+            raise ConfigError(
+                f"non-tensor value {fqn!r} holds objects a checkpoint cannot store without "
+                f"pickle ({exc})"
+            ) from exc
+    what = f"non-tensor value {fqn!r}"
+    value = jsonstate.encode(obj, what)
+    fmt.check_json(value, what)
+    return value
+
+
+def _metadata_json(metadata: Metadata, glob: _GlobalPlan, values: dict[str, Any]) -> dict:
+    """DCP's metadata as the JSON document of a step (see [Note: DCP steps])."""
+    by_chunk = {(p.fqn, p.offsets): p for p in glob.pieces}
+    tensors: dict[str, dict] = {}
+    non_tensors: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            if fqn not in values:
+                raise CheckpointError(f"internal: no rank wrote the value of {fqn!r}")
+            non_tensors[fqn] = values[fqn]
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ConfigError(f"{fqn}: DCP metadata of type {type(entry).__name__}")
+        chunks = []
+        for chunk in entry.chunks:
+            offsets = tuple(int(o) for o in chunk.offsets)
+            piece = by_chunk.get((fqn, offsets))
+            if piece is None or piece.sizes != tuple(int(s) for s in chunk.sizes):
+                raise CheckpointError(f"internal: chunk {list(offsets)} of {fqn} has no piece")
+            chunks.append(
+                {"offsets": list(offsets), "sizes": list(piece.sizes), "piece": piece.name}
+            )
+        tensors[fqn] = {
+            "dtype": fmt.dtype_name(entry.properties.dtype),
+            "shape": [int(d) for d in entry.size],
+            "chunks": chunks,
+        }
+    planner_data = None
+    if metadata.planner_data is not None:
+        planner_data = jsonstate.encode(metadata.planner_data, "DCP planner data")
+        fmt.check_json(planner_data, "DCP planner data")
+    meta = metadata.storage_meta
+    return {
+        "version": DCP_VERSION,
+        "dcp_version": metadata.version,
+        "tensors": tensors,
+        "values": non_tensors,
+        "planner_data": planner_data,
+        "modules": [str(m) for m in (meta.modules if meta is not None else [])],
+    }
