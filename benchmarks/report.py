@@ -150,8 +150,8 @@ def plots(report: dict, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = {"step": "step_ms", "step_mlp": "step_ms", "save": "MiB_per_s", "async": "blocked_s", "load": "seconds",
-              "consolidate": "seconds", "s3": "seconds", "mesh": "step_ms",
+    metric = {"step": "step_ms", "step_mlp": "step_ms", "save": "MiB_per_s",
+              "async": "blocked_s", "load": "seconds", "consolidate": "seconds", "s3": "seconds", "mesh": "step_ms",
               "layout": "seconds"}
     written = []
     for sec in report["sections"]:

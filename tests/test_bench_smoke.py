@@ -72,7 +72,8 @@ def test_every_contender_ran(quick_run):
     assert not report["failed_sections"], report["failed_sections"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     keys = [s["key"] for s in report["sections"]]
-    assert keys == ["step", "step_mlp", "save", "async", "load", "consolidate", "s3", "mesh", "layout"]
+    assert keys == ["step", "step_mlp", "save", "async", "load", "consolidate", "s3", "mesh",
+                    "layout"]
     step = next(s for s in report["sections"] if s["key"] == "step")
     assert {r["contender"] for r in step["rows"]} == STEP_CONTENDERS
 
