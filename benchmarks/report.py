@@ -151,8 +151,8 @@ def plots(report: dict, out_dir: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     metric = {"step": "step_ms", "step_mlp": "step_ms", "save": "MiB_per_s",
-              "async": "blocked_s", "load": "seconds", "consolidate": "seconds", "s3": "seconds", "mesh": "step_ms",
-              "layout": "seconds"}
+              "async": "blocked_s", "load": "seconds", "consolidate": "seconds",
+              "s3": "seconds", "mesh": "step_ms", "layout": "seconds"}
     written = []
     for sec in report["sections"]:
         key = metric.get(sec["key"])
