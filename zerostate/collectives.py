@@ -278,7 +278,9 @@ def _by_segments(kind: str, output: torch.Tensor, input: torch.Tensor, group: An
     if kind == "reduce_scatter":
         pieces = _segments(input, world)
         works = [
-            dist.reduce(piece, op=dist.ReduceOp.SUM, group=group, async_op=True, group_dst=i)
+            dist.reduce(
+                piece, _global_rank(group, i), op=dist.ReduceOp.SUM, group=group, async_op=True
+            )
             for i, piece in enumerate(pieces)
         ]
         own = pieces[rank]
@@ -289,10 +291,15 @@ def _by_segments(kind: str, output: torch.Tensor, input: torch.Tensor, group: An
     if pieces[rank].data_ptr() != input.data_ptr():
         pieces[rank].copy_(input)
     works = [
-        dist.broadcast(piece, group=group, async_op=True, group_src=i)
+        dist.broadcast(piece, _global_rank(group, i), group=group, async_op=True)
         for i, piece in enumerate(pieces)
     ]
     return _Works(works)
+
+
+def _global_rank(group: Any, rank: int) -> int:
+    # torch < 2.6 takes a rooted collective's root as a global rank only.
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, **options: Any) -> Handle:
