@@ -15,8 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import import_deepspeed
 from benchmarks.contenders import Ctx, batches, build_model, make
+from benchmarks.deepspeed_import import import_deepspeed
 
 torch.set_num_threads(1)
 
