@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import step
 
                 sections.append(step.run(args))
+                if getattr(args, "model", None) is None:
+                    sections.append(step.run_mlp(args))
             elif row == "save":
                 from benchmarks import ckpt_rows
 

@@ -41,6 +41,12 @@ MODELS: dict[str, dict[str, int]] = {
     "gpu": dict(vocab_size=32768, n_positions=1024, n_embd=1024, n_layer=12, n_head=16),
 }
 
+#: A model where communication dominates the step (step row only): ``layers`` x
+#: ``Linear(width, width)`` + GELU and a mean-squared-error loss, 8.4M parameters at the
+#: defaults, so 2 Psi of gradient traffic outweighs the forward and backward of a micro-batch
+#: of 16 rows. GPT-2 "small" has about 40x more compute per parameter at its batch.
+MLP: dict[str, int] = dict(width=1024, layers=8)
+
 
 class BenchmarkError(RuntimeError):
     """A contender failed; the message says which and why."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import LR, MODELS, SEED, WEIGHT_DECAY, deepspeed_config
+from benchmarks.common import LR, MLP, MODELS, SEED, WEIGHT_DECAY, deepspeed_config
 
 # name -> (ZeRO partitioning it does, description). Order is the run order.
 PEERS: dict[str, tuple[int, str]] = {
@@ -48,18 +48,39 @@ class Trainer:
     optimizer: Any = None
 
 
-def build_model(preset: str, device: torch.device) -> torch.nn.Module:
+class MLPModel(torch.nn.Module):
+    """The communication-heavy model of the step row ([``MLP``] in benchmarks.common):
+    ``forward(x, target)`` returns the mean-squared error, as GPT-2's returns its loss."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return torch.nn.functional.mse_loss(x, target)
+
+
+def build_model(preset: str, device: torch.device, mlp: dict | None = None) -> torch.nn.Module:
     from zerostate.models import GPT2, GPT2Config
 
     torch.manual_seed(SEED)  # identical initial weights on every rank and for every contender
+    if preset == "mlp":
+        return MLPModel(**(mlp or MLP)).to(device)
     return GPT2(GPT2Config(**MODELS[preset])).to(device)
 
 
 def batches(preset: str, rank: int, micro_batch: int, seq_len: int, pool: int,
-            device: torch.device) -> torch.Tensor:
+            device: torch.device, mlp: dict | None = None) -> torch.Tensor:
     """``pool`` fixed batches per rank (different per rank, identical across contenders),
-    cycled: a model that trains memorises them, so its loss must fall."""
+    cycled: a model that trains memorises them, so its loss must fall. A batch is split
+    along dim 1 into input ``[:, :-1]`` and target ``[:, 1:]``: GPT-2's tokens shifted by
+    one; the MLP's (``seq_len`` ignored) one input row and one target row per sample."""
     g = torch.Generator().manual_seed(SEED + 1000 * rank)
+    if preset == "mlp":
+        shape = (pool, micro_batch, 2, (mlp or MLP)["width"])
+        return (torch.randn(shape, generator=g) * 0.5).to(device)
     shape = (pool, micro_batch, seq_len + 1)
     return torch.randint(0, MODELS[preset]["vocab_size"], shape, generator=g).to(device)
 
@@ -95,7 +116,8 @@ def fully_shard_model(model: torch.nn.Module, reshard_after_forward: bool = True
         # Same recipe as zerostate's bf16: bf16 compute and communication, fp32 master.
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.bfloat16)
-    for block in model.transformer.h:
+    blocks = model.layers if isinstance(model, MLPModel) else model.transformer.h
+    for block in blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
 

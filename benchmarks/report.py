@@ -37,7 +37,7 @@ def section_markdown(sec: dict) -> str:
     if sec.get("produced"):
         lines += [f"Produced by {_produced(sec['produced'])}.", ""]
     lines += [sec["setup"] + ".", ""]
-    if sec["key"] == "step":
+    if sec["key"] in ("step", "step_mlp"):
         cols = [c for c in sec["columns"] if any(c in r["values"] for r in sec["rows"])]
         lines.append("| stage | contender | " + " | ".join(sec["columns"][c] for c in cols) + " |")
         lines.append("|---|---|" + "---:|" * len(cols))
@@ -150,9 +150,9 @@ def plots(report: dict, out_dir: Path) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = {"step": "step_ms", "save": "MiB_per_s", "async": "blocked_s", "load": "seconds",
-              "consolidate": "seconds", "s3": "seconds", "mesh": "step_ms",
-              "layout": "seconds"}
+    metric = {"step": "step_ms", "step_mlp": "step_ms", "save": "MiB_per_s",
+              "async": "blocked_s", "load": "seconds", "consolidate": "seconds",
+              "s3": "seconds", "mesh": "step_ms", "layout": "seconds"}
     written = []
     for sec in report["sections"]:
         key = metric.get(sec["key"])

@@ -1,5 +1,6 @@
 """Row 1: training-step time and peak memory per ZeRO stage, zerostate vs DDP,
-ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 and FSDP2, one torchrun job per contender."""
+ZeroRedundancyOptimizer, DeepSpeed ZeRO 1-3 and FSDP2, one torchrun job per contender, on
+GPT-2 (section ``step``) and on a model where communication dominates (``step_mlp``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import statistics
 import time
 from typing import Any
 
-from benchmarks.common import MIB, MODELS, launch
+from benchmarks.common import MIB, MLP, MODELS, launch
 from benchmarks.contenders import CONTENDERS, PEERS, ZEROSTATE, Ctx
 
 DATA_POOL = 2
@@ -21,12 +22,12 @@ def train(params: dict, ctx: Ctx) -> dict:
     from benchmarks.contenders import batches, build_model, make
 
     name, preset = params["contender"], params["model"]
-    model = build_model(preset, ctx.device)
+    model = build_model(preset, ctx.device, params.get("mlp"))
     n_params = sum(p.numel() for p in model.parameters())
     trainer = make(name, model, ctx, micro_batch=params["micro_batch"],
                    precision=params.get("precision", "fp32"))
     tokens = batches(preset, ctx.rank, params["micro_batch"], params["seq_len"], DATA_POOL,
-                     ctx.device)
+                     ctx.device, params.get("mlp"))
     times, losses = [], []
     for i in range(params["warmup"] + params["steps"]):
         batch = tokens[i % DATA_POOL]
@@ -54,10 +55,22 @@ def _median_ms(job: Any, steps: int) -> float:
     return statistics.median(max(r["times"][i] for r in job.ranks) for i in range(steps)) * 1e3
 
 
-def run(opts: Any) -> dict:
+#: The communication-heavy model of ``--quick`` (a smoke run: the same code, tiny sizes).
+MLP_QUICK = dict(width=64, layers=2)
+
+
+def run_mlp(opts: Any) -> dict:
+    """The step row on the communication-heavy model ([``MLP``] in benchmarks.common)."""
+    mlp = MLP_QUICK if opts.quick else MLP
+    return run(opts, model="mlp", batch=(4 if opts.quick else 16, 1), mlp=mlp)
+
+
+def run(opts: Any, *, model: str | None = None, batch: tuple[int, int] | None = None,
+        mlp: dict | None = None) -> dict:
     """Launcher: every selected contender, then per stage zerostate / fastest peer."""
-    preset = getattr(opts, "model", None) or ("tiny" if opts.quick else "small")
-    micro_batch, seq_len = getattr(opts, "batch", None) or ((4, 32) if opts.quick else (8, 64))
+    preset = model or getattr(opts, "model", None) or ("tiny" if opts.quick else "small")
+    micro_batch, seq_len = (batch or getattr(opts, "batch", None)
+                            or ((4, 32) if opts.quick else (8, 64)))
     steps, warmup = (2, 1) if opts.quick else (opts.steps, 3)
     # By stage, zerostate right after its peers: a change in outside load between jobs
     # then hits contenders that are compared with each other alike.
@@ -65,7 +78,7 @@ def run(opts: Any) -> dict:
                    key=lambda n: (CONTENDERS[n][0], n in ZEROSTATE))
     precision = getattr(opts, "precision", "fp32")
     params = {"model": preset, "micro_batch": micro_batch, "seq_len": seq_len,
-              "steps": steps, "warmup": warmup, "precision": precision}
+              "steps": steps, "warmup": warmup, "precision": precision, "mlp": mlp}
     rounds = max(1, getattr(opts, "rounds", 1))
     runs: dict[str, list] = {n: [] for n in names}
     for k in range(rounds):
@@ -102,7 +115,7 @@ def run(opts: Any) -> dict:
             row["step_ms_per_round"] = [_median_ms(j, steps) for j in runs[name]]
             if not last < first:
                 row["ok"], row["error"] = False, f"loss did not fall ({first:.4f} -> {last:.4f})"
-        print(f"  step: {name}: " + (f"{row['values']['step_ms']:.1f} ms" if row["ok"]
+        print(f"  step ({preset}): {name}: " + (f"{row['values']['step_ms']:.1f} ms" if row["ok"]
                                      else f"FAILED {row['error']}"), flush=True)
         rows.append(row)
     ratios = []
@@ -121,18 +134,27 @@ def run(opts: Any) -> dict:
                                 f"leanest peer ({mem_peer['contender']})",
                        "value": zs["values"]["peak_rss_mb"] / mem_peer["values"]["peak_rss_mb"],
                        "target": None, "better": "lower"})
-    cfg = MODELS[preset]
     n = next((r["n_params"] for r in rows if r.get("n_params")), None)
-    setup = (f"GPT-2 '{preset}' ({cfg['n_layer']} layers, width {cfg['n_embd']}, vocab "
-             f"{cfg['vocab_size']}, {n if n else '?'} parameters), {precision}, micro-batch "
-             f"{micro_batch} x {seq_len} tokens per rank, {opts.nproc} ranks, AdamW lr 1e-3 "
+    if preset == "mlp":
+        what = (f"Communication-heavy MLP ({mlp['layers']} x Linear({mlp['width']}, "
+                f"{mlp['width']}) + GELU, MSE loss, {n if n else '?'} parameters), {precision}, "
+                f"micro-batch {micro_batch} rows per rank")
+    else:
+        cfg = MODELS[preset]
+        what = (f"GPT-2 '{preset}' ({cfg['n_layer']} layers, width {cfg['n_embd']}, vocab "
+                f"{cfg['vocab_size']}, {n if n else '?'} parameters), {precision}, micro-batch "
+                f"{micro_batch} x {seq_len} tokens per rank")
+    setup = (f"{what}, {opts.nproc} ranks, AdamW lr 1e-3 "
              f"weight decay 0.01 on every parameter; median of {steps} steps after {warmup} "
              f"warm-up, slowest rank per step, best of {rounds} round(s) in alternating "
              "order"
              + ("; all contenders in one process group (--quick), so peak RSS accumulates"
                 if opts.quick or getattr(opts, "quick_jobs", False)
                 else "; one torchrun job per contender"))
-    return {"key": "step", "title": "Training step time and peak memory per stage",
+    key, title = "step", "Training step time and peak memory per stage"
+    if preset == "mlp":
+        key, title = "step_mlp", title + ", communication-heavy model"
+    return {"key": key, "title": title,
             "setup": setup, "columns": {"step_ms": "step ms", "peak_rss_mb": "peak RSS MB/rank",
                                         "model_states_mb": "model states MB/rank",
                                         "loss_first": "loss first", "loss_last": "loss last"},

@@ -72,7 +72,8 @@ def test_every_contender_ran(quick_run):
     assert not report["failed_sections"], report["failed_sections"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     keys = [s["key"] for s in report["sections"]]
-    assert keys == ["step", "save", "async", "load", "consolidate", "s3", "mesh", "layout"]
+    assert keys == ["step", "step_mlp", "save", "async", "load", "consolidate", "s3", "mesh",
+                    "layout"]
     step = next(s for s in report["sections"] if s["key"] == "step")
     assert {r["contender"] for r in step["rows"]} == STEP_CONTENDERS
 
@@ -82,6 +83,7 @@ def test_every_number_present_and_finite(quick_run):
     _, report, _ = quick_run
     expected = {
         "step": {"step_ms", "peak_rss_mb", "loss_first", "loss_last"},
+        "step_mlp": {"step_ms", "peak_rss_mb", "loss_first", "loss_last"},
         "save": {"MiB", "seconds", "MiB_per_s"},
         "async": {"call_s", "blocked_s", "sync_save_s", "blocked_over_sync"},
         "load": {"seconds"},

@@ -4,7 +4,11 @@ Transformers from 0.1M to 100M parameters (various widths, depths, odd vocabular
 tied and untied embeddings) at default settings on 2-4 gloo ranks. The count wraps the
 ``torch.distributed`` functions themselves (not ``comm_stats``) with the ZeRO paper's rule:
 an all-reduce of X elements moves 2X; a reduce-scatter or all-gather whose full tensor has
-X elements moves X. Psi is the number of trainable parameters (a tied weight once).
+X elements moves X. On gloo the engine runs a reduce-scatter as one ``reduce`` per segment
+and an all-gather as one ``broadcast`` per segment ([Note: gloo segments] in
+zerostate.collectives): a reduce or broadcast of X elements moves X, counted with the
+collective it is a segment of, so the segments of a full tensor of X add up to X. Psi is
+the number of trainable parameters (a tied weight once).
 Frozen parameters are not in Psi: after construction they are never communicated at
 stages 0-2, and at stage 3 they are gathered for forward and backward like any other
 parameter (so they add up to twice their size); these models have none.
@@ -48,8 +52,11 @@ _COUNTED = {
     "reduce_scatter_single": ("reduce_scatter", lambda a, k: a[1].numel()),
     "all_gather_into_tensor": ("all_gather", lambda a, k: a[0].numel()),
     "all_gather_single": ("all_gather", lambda a, k: a[0].numel()),
+    # One segment each ([Note: gloo segments]): the tensor is the segment.
+    "reduce": ("reduce_scatter", lambda a, k: a[0].numel()),
+    "broadcast": ("all_gather", lambda a, k: a[0].numel()),
 }
-_OTHER = ("broadcast", "all_gather", "reduce_scatter", "all_to_all", "reduce", "gather", "scatter")
+_OTHER = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
 
 
 class WireCounter:
