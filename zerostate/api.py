@@ -116,9 +116,9 @@ def save(
     the newest committed one. Returns the step written, or with ``blocking=False`` DCP's
     future of the save (the state is staged first; training may go on), whose result is
     DCP's metadata once the step is committed; as with DCP's ``async_save``, pass a
-    ``process_group`` of its own (``dist.new_group(backend="gloo")``) when training runs
-    collectives while the save is in flight. ``keep_last`` keeps only the newest that many
-    committed steps."""
+    ``process_group`` of its own (a gloo group from torch.distributed's ``new_group``) when
+    training runs collectives while the save is in flight. ``keep_last`` keeps only the
+    newest that many committed steps."""
     writer = StorageWriter(root, step, keep_last, storage_options=storage_options)
     translated = _translated(state)
     try:

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from zerostate import collectives
 from zerostate.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -76,7 +76,7 @@ class _GlobalPlan:
 def _rank_of_caller(kwargs: dict) -> int:
     rank = kwargs.get("rank")
     if rank is None:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = collectives.group_info(None)[0] if collectives.is_initialized() else 0
     return int(rank)
 
 

@@ -249,6 +249,8 @@ def describe_step(reader: Any) -> list[dict[str, Any]] | None:
     inspect``): ``{"key", "kind": "tensor", "shape", "dtype", "chunks": [{"offsets", "sizes",
     "piece", "rank"}]}`` or ``{"key", "kind": "value"}``; None for a step not written
     through this module."""
+    if not isinstance(reader.format_version, int):
+        return None  # a foreign checkpoint (DeepSpeed, torch's own DCP files), not a step
     if not isinstance(reader.attrs, dict) or ATTR not in reader.attrs:
         return None
     state = _parse_step(reader)
