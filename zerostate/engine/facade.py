@@ -73,7 +73,7 @@ from zerostate.store.state_doc import ENGINE_STATE_VERSION, check_document
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("zerostate.engine")
 
 #: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
 #: user optimizer's business.
