@@ -51,18 +51,6 @@ class Coordinator:
     """The engine's communication counters, where the exchanges that recur at every step
     are counted ([Note: one coordinator]); None: nothing is counted."""
 
-    @classmethod
-    def of(
-        cls, engine: Any, *, error_cls: type[Exception], note: str = "", world: Any = None
-    ) -> Coordinator:
-        """``engine``'s coordinator ([Note: one coordinator]) raising ``error_cls``, or
-        its coordinator of ``world`` (an object with ``group``, ``rank`` and
-        ``world_size``: the ranks that save a tensor-parallel checkpoint together)."""
-        base = engine.coordinator
-        if world is not None:
-            base = base.over(world.group, world.rank, world.world_size)
-        return base.with_errors(error_cls, note)
-
     def with_errors(self, error_cls: type[Exception], note: str = "") -> Coordinator:
         """This coordinator, raising ``error_cls`` (with ``note``) where another rank failed."""
         return replace(self, error_cls=error_cls, note=note)

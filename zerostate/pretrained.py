@@ -23,15 +23,17 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Collection
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from zerostate import adapt
-from zerostate.coordinator import Coordinator
 from zerostate.errors import DistributedMismatchError, PretrainedMismatchError, ZerostateError
 from zerostate.safetensors_io import SafetensorsSource, TensorEntry
+
+if TYPE_CHECKING:
+    from zerostate.checkpoint.parts import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +75,11 @@ class _Target(NamedTuple):
     start: int
 
 
-def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], PretrainedReport]:
+def _plan(
+    parts: EngineParts, entries: dict[str, TensorEntry]
+) -> tuple[list[_Target], PretrainedReport]:
     aliases: dict[str, list[str]] = {}
-    for alias, canonical in engine.tied.items():
+    for alias, canonical in parts.tied.items():
         aliases.setdefault(canonical, []).append(alias)
     used: set[str] = set()
     missing: list[str] = []
@@ -94,7 +98,7 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
             return None
         return entry
 
-    for view in engine.state_views():
+    for view in parts.state_views():
         if not view.name.startswith("model/"):
             continue
         # The master covers the whole tensor at stage 0, the owned range otherwise.
@@ -103,7 +107,7 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
         if entry is not None:
             assert start + master.numel() <= math.prod(view.shape), (name, start)
             targets.append(_Target(name, entry, master, start))
-    for name, buf, persistent in adapt.buffers_with_persistence(engine.module):
+    for name, buf, persistent in adapt.buffers_with_persistence(parts.module):
         if not persistent:
             continue
         entry = match([name], tuple(buf.shape))
@@ -113,31 +117,31 @@ def _plan(engine: Any, entries: dict[str, TensorEntry]) -> tuple[list[_Target], 
     return targets, PretrainedReport(missing, unexpected, mismatched)
 
 
-def _agree(engine: Any, error: BaseException | None, what: str) -> None:
+def _agree(parts: EngineParts, error: BaseException | None, what: str) -> None:
     """All ranks raise when any rank failed: the failing rank its own error, the others
     a pointer to it (:meth:`~zerostate.coordinator.Coordinator.agree`)."""
-    coordinator = Coordinator.of(engine, error_cls=DistributedMismatchError)
+    coordinator = parts.coordinator.with_errors(DistributedMismatchError)
     coordinator.agree(error, f"load_pretrained ({what})")
 
 
 def load_pretrained(
-    engine: Any,
+    parts: EngineParts,
     path_or_url: str | os.PathLike,
     storage_options: dict | None = None,
     strict: bool = True,
     *,
     settle: Callable[[], None] = lambda: None,
-    loaded: Callable[[Collection[str]], None] = lambda names: None,
-    torn: Callable[[Collection[str], str], None] = lambda names, source: None,
 ) -> PretrainedReport:
-    """Load Hugging Face safetensors weights into ``engine``; collective. See the module
-    docstring. ``strict=False`` loads what matches and returns (and logs) the rest.
+    """Load Hugging Face safetensors weights into an engine's ``parts`` ([Note: engine
+    parts] in zerostate.checkpoint.parts); collective. See the module docstring.
+    ``strict=False`` loads what matches and returns (and logs) the rest.
 
     ``settle`` is called first, inside the first agreement: it waits for the engine's
     async save in flight and its snapshot (an async save may still be reading the masters)
-    and re-raises the save's error. ``loaded`` is told the names of the parameters and
-    buffers that were written; ``torn`` the names that a read failing part-way may have
-    partly written, and the source ([Note: torn weights] in zerostate.engine)."""
+    and re-raises the save's error. ``parts.mark_set`` is told the names of the parameters
+    and buffers that were written; ``parts.mark_torn`` the names that a read failing
+    part-way may have partly written, and the source ([Note: torn weights] in
+    zerostate.engine.parts)."""
     error: BaseException | None = None
     targets: list[_Target] = []
     report = PretrainedReport([], [], [])
@@ -148,7 +152,7 @@ def load_pretrained(
         # leaving the others in the agreement below until a process-group timeout.
         settle()
         source = SafetensorsSource(path_or_url, storage_options)
-        targets, report = _plan(engine, source.entries())
+        targets, report = _plan(parts, source.entries())
         if strict and (report.missing or report.unexpected or report.mismatched):
             raise PretrainedMismatchError(
                 f"{os.fspath(path_or_url)} does not fit the model: {report.describe()}. "
@@ -157,7 +161,7 @@ def load_pretrained(
             )
     except Exception as exc:  # a previous background save's error can be of any kind
         error = exc
-    _agree(engine, error, "reading the safetensors headers")
+    _agree(parts, error, "reading the safetensors headers")
     try:
         with torch.no_grad():
             for t in targets:
@@ -166,13 +170,13 @@ def load_pretrained(
     except (ZerostateError, OSError, ValueError) as exc:
         error = exc
     try:
-        _agree(engine, error, "reading tensor data")
+        _agree(parts, error, "reading tensor data")
     except BaseException:
         # Every rank: any rank may have written part of its share ([Note: torn weights]).
-        torn([t.name for t in targets], os.fspath(path_or_url))
+        parts.mark_torn([t.name for t in targets], os.fspath(path_or_url))
         raise
-    engine.refresh_from_masters()
-    loaded([t.name for t in targets])
-    if engine.rank == 0 and (report.missing or report.unexpected or report.mismatched):
+    parts.refresh_from_masters()
+    parts.mark_set([t.name for t in targets])
+    if parts.rank == 0 and (report.missing or report.unexpected or report.mismatched):
         log.warning("load_pretrained(%s, strict=False): %s", path_or_url, report.describe())
     return report

@@ -59,8 +59,9 @@ def _engine(
     kwargs = dict(lr=1e-2, weight_decay=0.1) if optimizer is None else {}
     engine = zerostate.Engine(model, stage=stage, optimizer=optimizer, **kwargs)
     if version is not None:
-        document = engine.engine_state
-        engine.engine_state = lambda: {**document(), "version": version}
+        # What a save records comes from the engine's parts ([Note: engine parts]).
+        document = engine.parts.engine_state
+        engine.parts.engine_state = lambda: {**document(), "version": version}
     return engine
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,8 +63,10 @@ from zerostate.checkpoint.state import (
     saved_rng,
     transformers_config,
 )
-from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from zerostate.checkpoint.parts import EngineParts
 
 __all__ = [
     "DEFAULT_COMMIT_TIMEOUT_S",
@@ -102,8 +104,9 @@ class Checkpointer:
     :class:`~zerostate.store.root.CheckpointRoot` per location, see [Note: one root per
     location] in zerostate.checkpoint.roots)."""
 
-    def __init__(self, engine: Any, *, timeout_s: float | None = None) -> None:
-        self.engine = engine
+    def __init__(self, parts: EngineParts, *, timeout_s: float | None = None) -> None:
+        #: The engine's state ([Note: engine parts] in zerostate.checkpoint.parts).
+        self.parts = parts
         if timeout_s is None:
             # The environment may shorten it (tests, schedulers with tight preemption).
             env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
@@ -111,12 +114,10 @@ class Checkpointer:
         self.timeout_s = timeout_s
         # Under tensor parallelism the tp x dp_shard ranks of a replica save together
         # ([Note: tensor-parallel checkpoints] in zerostate.runtime.tp_checkpoint).
-        self.coordinator = Coordinator.of(
-            engine,
-            error_cls=CheckpointError,
-            note=" and nothing was committed",
-            world=engine.checkpoint_world,
-        )
+        coordinator, world = parts.coordinator, parts.checkpoint_world
+        if world is not None:
+            coordinator = coordinator.over(world.group, world.rank, world.world_size)
+        self.coordinator = coordinator.with_errors(CheckpointError, " and nothing was committed")
         self.saves = BackgroundSaves(self)
         self.snapshots = Snapshots()
         self.roots = EngineRoots()
@@ -140,7 +141,7 @@ class Checkpointer:
     def _snapshot(
         self, pieces: list[Piece], blocking: bool
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
-        return self.snapshots.take(pieces, blocking, self.engine.module)
+        return self.snapshots.take(pieces, blocking, self.parts.module)
 
     def before_update(self) -> None:
         """Called before anything changes master weights or optimizer states: waits until
@@ -169,7 +170,7 @@ class Checkpointer:
         start = time.perf_counter()
         self._check_open()
         session = SaveSession(
-            self.engine,
+            self.parts,
             path,
             coordinator=self.coordinator,
             roots=self.roots,
@@ -199,7 +200,7 @@ class Checkpointer:
     ) -> Any:
         self._check_open()
         session = LoadSession(
-            self.engine,
+            self.parts,
             path,
             # [Note: nothing lands before every rank has read] in zerostate.checkpoint.load
             coordinator=self.coordinator.with_errors(

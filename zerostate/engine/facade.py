@@ -49,10 +49,10 @@ from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.config import EngineConfig, check_setting_names
 from zerostate.coordinator import Coordinator
-from zerostate.engine_state import AppliedLoad, LoadPlan, check_tensors, check_tying
-from zerostate.errors import ConfigError, CorruptCheckpointError, ZerostateError
+from zerostate.engine.parts import StateParts
+from zerostate.engine_state import AppliedLoad, LoadPlan
+from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import (
-    OptimizerLoad,
     ShardedOptimizer,
     describe,
     link_user_optimizers,
@@ -66,10 +66,9 @@ from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
 from zerostate.runtime import hollow, tp, tp_checkpoint, tp_plan
 from zerostate.runtime import mesh as meshes
-from zerostate.runtime.offload import HostTier, wait_copies
+from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime, StageUsageError, holds_no_values
 from zerostate.sharded import ShardedParam, ShardView
-from zerostate.store.state_doc import ENGINE_STATE_VERSION, check_document
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -405,7 +404,6 @@ class Engine:
             window=config.loss_scale_window,
             min_scale=config.min_loss_scale,
         )
-        self._micro_step = 0
         self.last_grad_norm: float | None = None
         self._bucket_numel = max(1, int(config.bucket_mb * 2**20) // self.dtype.itemsize)
 
@@ -467,12 +465,6 @@ class Engine:
                 threads=config.offload_threads,
             )
             self._runtime.on_reduced = _reduced_hook(weakref.ref(self))
-        # Names whose values no initialiser wrote ([Note: unset state], runtime/init.py).
-        self._unset: set[str] = set(self._runtime.unset)
-        # Names a load_pretrained that failed while reading may have partly written, and
-        # its source ([Note: torn weights]).
-        self._torn: set[str] = set()
-        self._torn_source = ""
         self._optimizer = self._build_optimizer()
         link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
         self._optimizer.fence_loads(_weak_call(self._before_update))  # [Note: one fence]
@@ -495,6 +487,22 @@ class Engine:
             self.checkpoint_world = tp_checkpoint.checkpoint_world(
                 config.mesh, self._tp.rank, self._tp.size, self.rank, self.world_size
             )
+        #: The engine's state as the checkpoint code sees it ([Note: engine parts]).
+        self._parts = StateParts(
+            module=model,
+            config=config,
+            params=self._params,
+            tied=self.tied,
+            optimizer=self._optimizer,
+            scaler=self._scaler,
+            runtime=self._runtime,
+            host=self._host,
+            tensor_parallel=self._tp,
+            coordinator=self.coordinator,
+            checkpoint_world=self.checkpoint_world,
+            device=device,
+            unset=self._runtime.unset,
+        )
         self._progress = ProgressLog(config.log_every)
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
@@ -561,20 +569,12 @@ class Engine:
         return resolve_user_optimizers(optimizer, list(model.named_parameters()))
 
     def _init_buffers(self) -> None:
-        # Buffers are replicated; rank 0 checkpoints each persistent one whole.
+        # Buffers are replicated; rank 0 checkpoints each persistent one whole (which
+        # ones: StateParts).
         for module in self.module.modules():
             for n, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
                 if not b.is_meta and not collectives.is_dtensor(b) and not b.is_contiguous():
                     setattr(module, n, b.contiguous())  # stays a buffer, same persistence
-        state = adapt.replicated_state(self.module)  # buffers + frozen integer parameters
-        self._buffer_names = [n for n, _ in state]
-        self._non_persistent = adapt.non_persistent_buffers(self.module)
-        # What checkpoints hold: non-persistent buffers are neither saved nor loaded
-        # ([Note: buffers as torch treats them] in zerostate.adapt).
-        skip = set(self._non_persistent)
-        self._saved_buffer_names = [
-            n for n in self._buffer_names if adapt.canonical_name(n) not in skip
-        ]
 
     def _build_optimizer(self) -> ShardedOptimizer:
         c = self.config
@@ -632,32 +632,25 @@ class Engine:
             "first, or pass init_fn=callable(module) to initialise them"
         )
 
-    def _mark_set(self, names: Any) -> None:
-        self._unset.difference_update(names)
-        self._torn.difference_update(names)
+    @property
+    def _unset(self) -> set[str]:
+        """Names whose values no initialiser wrote ([Note: unset state], runtime/init.py)."""
+        return self._parts.unset
 
-    def _mark_torn(self, names: Any, source: str) -> None:
-        """[Note: torn weights]
-        ``load_pretrained`` reads straight into the masters, a piece at a time, so that its
-        extra memory stays one read piece whatever the model's size. A read that fails
-        after others went through (an I/O error, an object store that stops answering
-        after the retries, a file changed under the load) leaves those tensors part file,
-        part what they were, on every rank that had read some of its part. Staging the
-        whole model to undo that would cost the memory the call promises not to use, so
-        the engine remembers the names instead: training on them, saving them and handing
-        them back from ``close()`` are refused, naming the call that failed, until a
-        ``load_pretrained`` or a ``load`` writes them. Every rank records the same names
-        (its plan lists every matched tensor, whatever share it holds), so every rank
-        refuses the same calls. Inspection (``full_state_dict()``, ``gathered()``) still
-        works."""
-        self._torn.update(names)
-        self._torn_source = source
+    @property
+    def _torn(self) -> set[str]:
+        """Names a failed load_pretrained may have partly written ([Note: torn weights] in
+        zerostate.engine.parts)."""
+        return self._parts.torn
+
+    def _mark_set(self, names: Any) -> None:
+        self._parts.mark_set(names)
 
     def _refuse_torn(self, what: str) -> None:
         names = sorted(self._torn)
         shown = _first_names(names)
         raise EngineUsageError(
-            f"{what} refused: load_pretrained({self._torn_source!r}) failed while reading "
+            f"{what} refused: load_pretrained({self._parts.torn_source!r}) failed while reading "
             f"and left {len(names)} tensor(s) partly written, neither the model's values "
             f"nor the file's: {shown}. Call engine.load_pretrained(...) again, or "
             "engine.load(...), to set them"
@@ -672,12 +665,12 @@ class Engine:
                 "(a 1-element tensor that requires grad)"
             )
         accum = self.config.grad_accum_steps
-        if self._micro_step >= accum:
+        if self._parts.micro_step >= accum:
             raise EngineUsageError(
-                f"backward() called {self._micro_step + 1} times without step(); call "
+                f"backward() called {self._parts.micro_step + 1} times without step(); call "
                 f"step() after every backward() (it steps every grad_accum_steps={accum})"
             )
-        self._runtime.prepare(boundary=self._micro_step + 1 == accum)
+        self._runtime.prepare(boundary=self._parts.micro_step + 1 == accum)
         self._progress.note_loss(loss)
         if self._scaler.enabled:
             loss = loss.float() * self._scaler.scale
@@ -687,16 +680,16 @@ class Engine:
         finally:
             self._backward_open = False
         self._runtime.finish_backward()
-        self._micro_step += 1
+        self._parts.micro_step += 1
 
     def step(self) -> bool:
         """Apply the optimizer on accumulation boundaries; True if parameters changed."""
         self._check_open("step()")
-        if self._micro_step == 0:
+        if self._parts.micro_step == 0:
             raise EngineUsageError(
                 "step() called without backward(); call engine.backward(loss) first"
             )
-        if self._micro_step < self.config.grad_accum_steps:
+        if self._parts.micro_step < self.config.grad_accum_steps:
             return False
         if self._frozen:
             self._tell_unfrozen()
@@ -739,7 +732,7 @@ class Engine:
             self._runtime.refresh()
         self._scaler.update(overflow)
         self._runtime.zero()
-        self._micro_step = 0
+        self._parts.micro_step = 0
         self._stats.end_step()
         if self._ctx.replicas is not None:
             self._ctx.replicas.stats.end_step()
@@ -1102,85 +1095,27 @@ class Engine:
         step it through :meth:`step`, not directly."""
         return self._optimizer.optimizer
 
-    # -- state access ----------------------------------------------------------------------
-    def _named_buffers(self, saved: bool = False) -> list[tuple[str, torch.Tensor]]:
-        """Every buffer (and frozen integer parameter), canonical names; ``saved``: only
-        those a checkpoint holds (the persistent ones)."""
-        buffers = dict(adapt.replicated_state(self.module))
-        names = self._saved_buffer_names if saved else self._buffer_names
-        return [(adapt.canonical_name(n), buffers[n]) for n in names]
+    # -- the checkpoint contract ([Note: engine parts] in zerostate.checkpoint.parts) -----
+    @property
+    def parts(self) -> StateParts:
+        """This engine's state as the checkpoint code sees it."""
+        return self._parts
 
     def state_views(self) -> list[ShardView]:
         """Every logical tensor's live local state; see the checkpoint contract."""
-        views: list[ShardView] = []
-        for sp in self._params:
-            start = sp.master_start
-            kinds = [("model", sp.master)]
-            if sp.trainable:
-                kinds += [(f"optim/{k}", t) for k, t in self._optimizer.state_tensors(sp)]
-            for kind, tensor in kinds:
-                views.append(
-                    ShardView(
-                        f"{kind}/{sp.name}", sp.shape, torch.float32, sp.layout, tensor, start
-                    )
-                )
-        tp_mesh = self._tp.mesh if self._tp is not None else None
-        sharded: dict[str, int] = {}  # buffers sharded over tp: view name -> tp dim
-        for name, buf in self._named_buffers(saved=True):
-            stored = adapt.stored_buffer(name, buf, tp_mesh)
-            numel = stored.local.numel()
-            layout = TensorLayout(numel, self.world_size, max(1, numel), 0)
-            if stored.tp_dim is not None:
-                sharded[f"buffers/{name}"] = stored.tp_dim
-            views.append(
-                ShardView(
-                    f"buffers/{name}",
-                    stored.shape,
-                    stored.local.dtype,
-                    layout,
-                    stored.local.view(-1),
-                    0,
-                    attrs=stored.attrs or None,
-                )
-            )
-        if self.checkpoint_world is not None:  # tp x dp pieces of global tensors
-            return tp_checkpoint.mesh_views(views, self._params, self.checkpoint_world, sharded)
-        return views
+        return self._parts.state_views()
 
     def engine_state(self) -> dict:
-        return {
-            "version": ENGINE_STATE_VERSION,
-            "step": self._optimizer.step_count,
-            "loss_scaler": self._scaler.state_dict(),
-            "stage": self.stage,
-            "precision": self.config.precision,
-            "world_size": self.world_size,
-            "config": self.config.summary(),
-            "tied": dict(self.tied),
-            "frozen": [sp.name for sp in self._params if not sp.trainable],
-            "non_persistent_buffers": list(self._non_persistent),
-            "optimizer": self._optimizer.metadata(),
-        }
+        """The engine-state document a checkpoint step records."""
+        return self._parts.engine_state()
 
     def optimizer_classes(self) -> list[type]:
         """The classes of the inner optimizers, in order (what a checkpoint records)."""
-        return [type(opt) for opt in self._optimizer.inner]
+        return self._parts.optimizer_classes()
 
     def group_names(self) -> list[list[str]]:
         """The canonical parameter names of each optimizer param group, in order."""
-        return [[sp.name for sp in members] for members in self._optimizer.group_members]
-
-    def _optimizer_meta(self, state: dict) -> dict:
-        meta = state.get("optimizer")
-        if meta is None and state.get("version") == 1:
-            from zerostate.optim import legacy_adamw_metadata
-
-            return legacy_adamw_metadata(
-                [[sp.name for sp in m] for m in self._optimizer.group_members],
-                state.get("step", 0),
-                self.optimizer.param_groups,
-            )
-        return meta
+        return self._parts.group_names()
 
     def plan_load(
         self,
@@ -1191,101 +1126,32 @@ class Engine:
         where: str = "the checkpoint",
         step: int | None = None,
     ) -> LoadPlan:
-        """Check an engine-state document (and, given ``stored``, the step's tensors: name
-        -> info with ``.shape``) against this engine and decode it; changes nothing (see
-        [Note: planned load] in zerostate.engine_state)."""
-        check_document(state)
-        check_tying(state, self.tied)
-        scaler = copy.copy(self._scaler)
-        try:
-            scaler.load_state_dict(state.get("loss_scaler", {"scale": 1.0, "good_steps": 0}))
-        except ConfigError as exc:
-            raise CorruptCheckpointError(str(exc)) from None
-        meta = self._optimizer_meta(state)
-        keys, scalars = self._optimizer.plan_state(meta, strict=strict)
-        if stored is not None:
-            # Before the groups: "the step lacks these tensors" says more about a checkpoint
-            # of another model than "other param groups" does.
-            step = state["step"] if step is None else step
-            # Non-persistent buffers are not needed: a load leaves them as they are, as
-            # torch's load_state_dict does ([Note: buffers as torch treats them]).
-            needed = self._planned_tensors(keys)
-            check_tensors(needed, stored, strict=strict, where=where, step=step)
-        hyper, mixed = self._optimizer.plan_groups(meta, strict=strict)
-        optimizer = OptimizerLoad(keys, scalars, tuple(hyper), tuple(mixed))
-        return LoadPlan(state["step"], scaler.state_dict(), optimizer)
-
-    def _planned_tensors(
-        self, planned_keys: Mapping[str, tuple[str, ...] | None]
-    ) -> dict[str, tuple[int, ...]]:
-        """``{name: shape}`` of the views :meth:`state_views` lists once the optimizer holds
-        ``planned_keys`` (see :class:`~zerostate.optim.OptimizerLoad`), in the same order."""
-        needed: dict[str, tuple[int, ...]] = {}
-        for sp in self._params:
-            shape = tp_checkpoint.global_shape(sp.param)  # a DTensor's global shape
-            needed[f"model/{sp.name}"] = shape
-            if not sp.trainable:
-                continue
-            keys = planned_keys[sp.name]
-            if keys is None:
-                keys = [k for k, _ in self._optimizer.state_tensors(sp)]
-            for key in keys:
-                needed[f"optim/{key}/{sp.name}"] = shape
-        tp_mesh = self._tp.mesh if self._tp is not None else None
-        for name, buf in self._named_buffers(saved=True):
-            needed[f"buffers/{name}"] = adapt.stored_buffer(name, buf, tp_mesh).shape
-        return needed
+        """Check an engine-state document (and, given ``stored``, the step's tensors)
+        against this engine and decode it; changes nothing (see [Note: planned load] in
+        zerostate.engine_state)."""
+        return self._parts.plan_load(state, stored, strict=strict, where=where, step=step)
 
     def apply_load(self, plan: LoadPlan, read: Collection[str] = ()) -> AppliedLoad:
-        """Install a checked plan (before the tensors named in ``read`` are read into
-        :meth:`state_views`): the host optimizer state the step holds gets tensors the
-        reader fills in place (fresh ones, or its own while known zero), and the undo puts
-        the optimizer state, step count and loss scale back exactly."""
-        scaler = self._scaler.state_dict()
-        micro = self._micro_step
-        torn = set(self._torn)
-        undo_optimizer, fresh = self._optimizer.apply_load(plan.optimizer, plan.step, read)
-        self._scaler.load_state_dict(plan.loss_scaler)
-        self._micro_step = 0
-        # The step's weights and buffers replace torn ones ([Note: torn weights]).
-        self._torn.difference_update(
-            n.split("/", 1)[1] for n in read if n.startswith(("model/", "buffers/"))
-        )
-
-        def undo() -> None:
-            undo_optimizer()
-            self._scaler.load_state_dict(scaler)
-            self._micro_step = micro
-            self._torn = torn
-
-        return AppliedLoad(undo, frozenset(id(t) for t in fresh))
+        """See :meth:`zerostate.engine.parts.StateParts.apply_load`."""
+        return self._parts.apply_load(plan, read)
 
     def load_engine_state(self, state: dict, *, strict: bool = True) -> None:
         """Plan and apply ``state`` alone (the tensors are the caller's business)."""
-        self.apply_load(self.plan_load(state, strict=strict))
-
-    def _settle_host_copies(self) -> None:
-        # Offloaded masters may still be read by the last step's non-blocking host ->
-        # device copies; a load writes them from the host, outside the device's order.
-        if self._host is not None:
-            wait_copies(self.device)
+        self._parts.load_engine_state(state, strict=strict)
 
     def whole_replicas(self) -> dict[str, torch.Tensor]:
-        """``{"model/<name>": whole flat working parameter}`` for the parameters a load may
-        read whole from storage on every rank instead of gathering them from the loaded
-        masters ([Note: whole replicas at load] in zerostate.checkpoint.load)."""
-        return {f"model/{n}": t for n, t in self._runtime.whole_replicas(self._params).items()}
+        """See :meth:`zerostate.engine.parts.StateParts.whole_replicas`."""
+        return self._parts.whole_replicas()
 
     def refresh_from_masters(self, read_whole: Collection[str] = ()) -> None:
         """Rebuild working parameters from the masters (after they were overwritten),
         except those a load read whole (``read_whole``: their ``model/<name>``)."""
-        skip = set(read_whole)
-        self._runtime.refresh([sp for sp in self._params if f"model/{sp.name}" not in skip])
+        self._parts.refresh_from_masters(read_whole)
 
     # ------------------------------------------------------------- checkpoints
     def _ckpt(self) -> Any:
         if self._checkpointer is None:
-            self._checkpointer = Checkpointer(self)
+            self._checkpointer = Checkpointer(self._parts)
         return self._checkpointer
 
     def save(
@@ -1367,7 +1233,7 @@ class Engine:
         Saved state it does not restore (a ``stateful`` object not passed, RNG states at
         another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
         self._check_open("load()")
-        self._settle_host_copies()
+        self._parts.settle_host_copies()
         state = self._ckpt().load(
             path,
             step=step,
@@ -1396,15 +1262,13 @@ class Engine:
         self._check_open("load_pretrained()")
         if self._tp is not None:
             raise tp.refuse("load_pretrained()")
-        self._settle_host_copies()
+        self._parts.settle_host_copies()
         return load_pretrained(
-            self,
+            self._parts,
             path_or_url,
             storage_options=storage_options,
             strict=strict,
             settle=self._settle_saves,
-            loaded=self._mark_set,
-            torn=self._mark_torn,
         )
 
     def _settle_saves(self) -> None:
@@ -1500,7 +1364,7 @@ class Engine:
             sp.name: sp.param.full(t) if isinstance(sp.param, tp.LocalParam) else t.view(sp.shape)
             for sp, t in zip(self._params, full, strict=True)
         }
-        for name, buf in self._named_buffers():
+        for name, buf in self._parts.named_buffers():
             out[name] = buf.detach().clone()
         return out
 
