@@ -29,16 +29,14 @@ CHECKED = [
 ALLOWED = {
     # torch's multi-tensor (foreach) kernels have no public name.
     ("zerostate/engine/facade.py", "torch._foreach_mul_"),
-    # Hooks defined in the engine package itself hold the engine through a weak reference (so that
-    # a dropped engine can be collected) and call back into it.
-    ("zerostate/engine/facade.py", "engine._on_grad_ready"),
-    ("zerostate/engine/facade.py", "engine._on_reduced"),
-    ("zerostate/engine/facade.py", "engine._on_module_load"),
-    ("zerostate/engine/facade.py", "engine._copy_module"),
-    ("zerostate/engine/facade.py", "engine._convert_module"),
+    ("zerostate/engine/pipeline.py", "torch._foreach_mul_"),
+    # Hooks defined beside the engine hold it through a weak reference (so that a dropped
+    # engine can be collected) and call back into it.
+    ("zerostate/engine/hooks.py", "engine._on_grad_ready"),
+    ("zerostate/engine/hooks.py", "engine._on_reduced"),
     # The conversion guard hands the call on to the class's own Module._apply, which torch
     # names nowhere else (.to(), .half(), .cuda(), to_empty() all go through it).
-    ("zerostate/engine/facade.py", "type(module)._apply"),
+    ("zerostate/engine/guards.py", "type(module)._apply"),
     # torch.compile's wrapper keeps the compiled model there and names it nowhere else.
     ("zerostate/checkpoint/state.py", "getattr(module, '_orig_mod', module)"),
     # Lightning runs the callbacks' and the module's hooks through these, and a strategy

@@ -64,6 +64,7 @@ from zerostate.checkpoint.state import (
     transformers_config,
 )
 from zerostate.errors import CheckpointError
+from zerostate.runtime.mesh import watch_commit
 
 if TYPE_CHECKING:
     from zerostate.checkpoint.parts import EngineParts
@@ -187,6 +188,18 @@ class Checkpointer:
             allow_older_step=allow_older_step,
         )
         return session.run(start)
+
+    def skipped_save(
+        self, path: str, step: int, blocking: bool, storage_options: dict | None
+    ) -> SaveHandle:
+        """The handle of a save this rank's replica does not write ([Note: one replica
+        writes] in zerostate.runtime.mesh): blocking, replica 0's verdict follows; async,
+        the handle watches this engine's root for the step's commit."""
+        if blocking:
+            return SaveHandle(step, path, None, 0.0)
+        root = self.roots.open(path, storage_options)
+        watch = watch_commit(lambda: root.is_committed(step), f"step {step}", self.timeout_s)
+        return SaveHandle(step, path, watch, 0.0)
 
     def load(
         self,

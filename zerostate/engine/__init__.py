@@ -2,11 +2,17 @@
 optimizer and the checkpoint sessions.
 
 ``facade`` holds :class:`Engine` itself (wiring, forward, backward, the step as a
-sequence, save and load, properties).
+sequence, save and load, properties); ``build`` the settings and the checks every rank
+agrees on before anything changes; ``parts`` the engine's state as the checkpoint code sees
+it ([Note: engine parts] in zerostate.checkpoint.parts); ``guards`` the guards on torch's
+module API over the wrapped model; ``hooks`` the weak autograd and runtime hooks;
+``pipeline`` the gradient side of a step (norm, flags, clipping); ``stats`` memory and
+communication statistics.
 """
 
 from zerostate.config import EngineConfig
-from zerostate.engine.facade import Engine, EngineUsageError
+from zerostate.engine.facade import Engine
+from zerostate.errors import EngineUsageError
 from zerostate.sharded import ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]

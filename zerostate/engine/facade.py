@@ -26,273 +26,46 @@ One optimizer step (``K = grad_accum_steps``):
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import logging
 import math
 import os
-import types
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from zerostate import activation, adapt, collectives
+from zerostate import adapt, collectives
 from zerostate.checkpoint import (  # imported here, not on the first save or load
     Checkpointer,
     SaveHandle,
 )
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
-from zerostate.config import EngineConfig, check_setting_names
+from zerostate.config import EngineConfig
 from zerostate.coordinator import Coordinator
+from zerostate.engine import build, pipeline, stats
+from zerostate.engine.guards import ModuleGuards
+from zerostate.engine.hooks import GradReadyHook, reduced_hook, weak_call
 from zerostate.engine.parts import StateParts
 from zerostate.engine_state import AppliedLoad, LoadPlan
-from zerostate.errors import ConfigError, ZerostateError
+from zerostate.errors import EngineUsageError
 from zerostate.optim import (
     ShardedOptimizer,
-    describe,
     link_user_optimizers,
-    resolve_user_optimizers,
-    sum_of_squares,
-    whole_matrix_names,
 )
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.progress import ProgressLog
-from zerostate.runtime import hollow, tp, tp_checkpoint, tp_plan
 from zerostate.runtime import mesh as meshes
+from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier
-from zerostate.runtime.runtime import GroupRuntime, StageUsageError, holds_no_values
+from zerostate.runtime.runtime import GroupRuntime
 from zerostate.sharded import ShardedParam, ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
-
-log = logging.getLogger("zerostate.engine")
-
-#: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
-#: user optimizer's business.
-_ADAMW_FIELDS = ("lr", "betas", "eps", "weight_decay", "no_decay")
-
-
-def _first_names(names: list[str], limit: int = 8) -> str:
-    """``names`` for an error message: the first ``limit``, then how many more."""
-    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-class EngineUsageError(ZerostateError, RuntimeError):
-    """The engine's methods were called in an order it cannot honour."""
-
-
-def _build_config(config: EngineConfig | None, kwargs: dict) -> EngineConfig:
-    check_setting_names(kwargs)  # a typo or another trainer's name gets a did-you-mean
-    if config is None:
-        return EngineConfig(**kwargs)
-    if not isinstance(config, EngineConfig):
-        raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
-    return dataclasses.replace(config, **kwargs) if kwargs else config
-
-
-def _validate_model(model: Any, config: EngineConfig, tensor_parallel: Any = None) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    params = list(model.named_parameters())
-    if not params:
-        raise ConfigError("the model has no parameters; there is nothing to train")
-    devices = {p.device for _, p in params}
-    if len(devices) > 1:
-        raise ConfigError(
-            f"parameters live on several devices {sorted(map(str, devices))}; move the "
-            "model to one device (each rank trains a full replica's worth of shards)"
-        )
-    tp.check_model(params, tensor_parallel)
-    for name, p in params:
-        # A frozen integer parameter is kept as replicated state (adapt.replicated_state).
-        if not p.is_floating_point() and (p.requires_grad or p.is_meta):
-            raise ConfigError(
-                f"parameter {name} has dtype {p.dtype}; only floating-point parameters can "
-                "be trained, and a frozen one must live on a real device. Register it as a "
-                "buffer (module.register_buffer) or set requires_grad=False"
-            )
-    adapt.check_compile(model, config.stage)
-    if any(p.is_meta for _, p in params) and config.stage != 3:
-        raise ConfigError(
-            f"the model is on the meta device, which only stage 3 can materialise shard by "
-            f"shard (stage={config.stage}); use stage=3 or build the model on a real device"
-        )
-
-
-#: Attribute an Engine leaves on its model: ``(weakref to the engine, stage)``.
-_WRAPPED_BY = "_zerostate_wrapped_by"
-
-
-def _check_not_wrapped(model: Any) -> None:
-    """Refuse a model another Engine already wraps (a re-run notebook cell, say): that
-    engine's hooks and, at stage 3, its partitioning of the parameters stay on the model."""
-    mark = getattr(model, "__dict__", {}).get(_WRAPPED_BY)
-    if mark is None:
-        return
-    ref, stage = mark
-    if ref() is not None:
-        raise ConfigError(
-            f"this model is already wrapped by a zerostate Engine (stage {stage}), which owns "
-            "its parameters and gradient hooks; keep using that engine, or build a fresh "
-            "model for a new one (in a notebook, rebuild the model in the cell that builds "
-            "the Engine)"
-        )
-    if any(p.numel() and not p.untyped_storage().nbytes() for p in model.parameters()):
-        raise ConfigError(
-            f"this model was wrapped by a stage-{stage} Engine, which partitioned its "
-            "parameters (each rank kept only its shard); build a fresh model for a new Engine"
-        )
-
-
-def _mark_wrapped(model: nn.Module, engine: Engine) -> None:
-    object.__setattr__(model, _WRAPPED_BY, (weakref.ref(engine), engine.stage))
-
-
-def _model_aspects(model: nn.Module, config: EngineConfig | None) -> dict[str, Any]:
-    if not isinstance(model, nn.Module):
-        return {}
-    params = list(model.named_parameters(remove_duplicate=False))
-    return {
-        "parameter names": [n for n, _ in params],
-        "parameter shapes": [tuple(p.shape) for _, p in params],
-        "parameter dtypes / requires_grad": [(str(p.dtype), p.requires_grad) for _, p in params],
-        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
-        "engine settings": config.summary() if config is not None else None,
-        # Not in summary(): a checkpoint's content does not depend on offload.
-        "offload": (config.offload, config.offload_threads) if config is not None else None,
-    }
-
-
-class _GradReadyHook:
-    """Post-accumulate-grad hook of one trainable parameter; reaches its engine weakly.
-
-    torch's garbage collector does not look inside post-accumulate-grad hooks (they live
-    in the tensor's C++ autograd metadata), so a hook holding the engine would close the
-    cycle engine -> model -> parameter -> hook -> engine where no collector can see it.
-    Every engine would then live until interpreter shutdown, and with it its process
-    group, which ``destroy_process_group()`` could then not free: gloo's worker threads
-    would run on into interpreter shutdown.
-    """
-
-    __slots__ = ("_engine", "_index")
-
-    def __init__(self, engine: Engine, index: int) -> None:
-        self._engine = weakref.ref(engine)
-        self._index = index
-
-    def __call__(self, param: torch.Tensor) -> None:
-        engine = self._engine()
-        if engine is not None:
-            engine._on_grad_ready(self._index)
-
-
-class _ModuleLoadHook:
-    """``load_state_dict`` pre-hook of one module with engine parameters in its subtree;
-    reaches its engine weakly (the module outlives a closed engine) and hands the load to
-    :meth:`Engine._on_module_load` ([Note: model.load_state_dict after wrapping])."""
-
-    __slots__ = ("_engine", "_owned", "_tree")
-
-    def __init__(
-        self,
-        engine: Engine,
-        owned: dict[str, ShardedParam],
-        tree: list[tuple[str, nn.Parameter]],
-    ) -> None:
-        self._engine = weakref.ref(engine)
-        self._owned = owned  # the module's own parameter name -> its ShardedParam
-        self._tree = tree  # every engine parameter under the module, by relative name
-
-    def __call__(
-        self, module: nn.Module, state_dict: Mapping, prefix: str, metadata: Any, *_: Any
-    ) -> None:
-        engine = self._engine()
-        if engine is not None:
-            engine._on_module_load(module, self._owned, self._tree, state_dict, prefix, metadata)
-
-    def __deepcopy__(self, memo: dict) -> _ModuleLoadHook:
-        # A deep copy of the module drops this hook ([Note: deep copies of a wrapped
-        # model]); copying it first would copy the engine's shards and masters for nothing.
-        return self
-
-
-class _ModuleCopyGuard:
-    """``__deepcopy__`` of every module with engine parameters under it, put in the
-    module's ``__dict__`` bound to it (``copy.deepcopy`` looks the method up on the
-    instance); reaches its engine weakly and hands the copy to :meth:`Engine._copy_module`
-    ([Note: deep copies of a wrapped model])."""
-
-    __slots__ = ("_engine",)
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = weakref.ref(engine)
-
-    def __call__(self, module: nn.Module, memo: dict) -> nn.Module:
-        engine = self._engine()
-        if engine is None:  # the module outlived its engine
-            return _plain_deepcopy(module, memo)
-        return engine._copy_module(module, memo)
-
-
-class _ModuleConvertGuard:
-    """``_apply`` of every module with partitioned engine parameters under it (the method
-    behind ``.to()``, ``.half()``, ``.double()``, ``.cuda()``, ``to_empty()`` and
-    ``share_memory()``), put in the module's ``__dict__`` bound to it; reaches its engine
-    weakly ([Note: converting a partitioned model])."""
-
-    __slots__ = ("_engine",)
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = weakref.ref(engine)
-
-    def __call__(self, module: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
-        engine = self._engine()
-        if engine is None:  # the module outlived its engine
-            return type(module)._apply(module, fn, recurse)
-        return engine._convert_module(module, fn, recurse)
-
-
-def _plain_deepcopy(module: nn.Module, memo: dict) -> nn.Module:
-    """``copy.deepcopy(module, memo)`` past the module's own :class:`_ModuleCopyGuard`
-    (taken out of its ``__dict__`` for the copy, then put back)."""
-    own = module.__dict__.pop("__deepcopy__", None)
-    try:
-        return copy.deepcopy(module, memo)
-    finally:
-        if own is not None:
-            module.__dict__["__deepcopy__"] = own
-
-
-def _reduced_hook(ref: weakref.ref) -> Any:
-    """The runtime's ``on_reduced`` for an offloading engine, holding it weakly (as
-    :class:`_GradReadyHook` does)."""
-
-    def hook(group: Any) -> None:
-        engine = ref()
-        if engine is not None:
-            engine._on_reduced(group)
-
-    return hook
-
-
-def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
-    """``method`` (bound), holding its object weakly: a hook that outlives it does nothing."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            bound()
-
-    return call
 
 
 class Engine:
@@ -315,58 +88,12 @@ class Engine:
         optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
         **kwargs: Any,
     ):
-        error: ZerostateError | None = None
-        self._resolved: Any = None
-        try:
-            config = _build_config(config, kwargs)
-        except ConfigError as exc:
-            error, config = exc, None
-        if error is None and optimizer is not None and isinstance(model, nn.Module):
-            try:
-                self._resolved = self._check_optimizer(model, config, optimizer, kwargs)
-            except ZerostateError as exc:
-                error = exc
-        mesh_given = (config.mesh if config is not None else kwargs.get("mesh")) is not None
-        group = config.group if config is not None else kwargs.get("group")
+        setup = build.check_setup(model, config, optimizer, kwargs)  # collective
+        config, group, device = setup.config, setup.group, setup.device
+        self.rank, self.world_size = setup.rank, setup.world_size
         #: The device mesh's groups (None without ``mesh=``): ZeRO runs over its dp_shard
         #: group, which is ``group`` from here on ([Note: hybrid sharding]).
-        self._mesh: meshes.MeshPlan | None = None
-        if mesh_given:
-            group = None  # until the mesh is checked; a refused mesh fails on the world
-        if error is None and mesh_given:
-            try:
-                self._mesh = meshes.plan_mesh(config.mesh, self._pick_device(model, config))
-                group = self._mesh.shard_group
-            except ZerostateError as exc:
-                error = exc
-        if config is not None and config.tp_plan is not None:
-            self._apply_tp_plan(model, config, error)
-        self.rank, self.world_size = collectives.group_info(group)
-        # A mesh spans the default group: every rank of it agrees (and fails) together.
-        agree_group = None if mesh_given else group
-        agree_size = collectives.group_info(None)[1] if mesh_given else self.world_size
-        if error is None:
-            try:
-                _check_not_wrapped(model)
-                _validate_model(model, config, self._mesh.tp if self._mesh else None)
-                if config.activation_checkpointing is not None:
-                    activation.check_blocks(model, config.checkpoint_modules)
-                if self._mesh is not None:
-                    tp.check_optimizer(whole_matrix_names(optimizer), self._mesh.tp)
-            except ZerostateError as exc:
-                error = exc
-        device = self._pick_device(model, config)
-        collectives.check_agreement(
-            {
-                **_model_aspects(model, config),
-                "optimizer": describe(optimizer),
-                "mesh": self._mesh.describe() if self._mesh is not None else None,
-            },
-            error,
-            group=agree_group,
-            world_size=agree_size,
-            device=device,
-        )
+        self._mesh: meshes.MeshPlan | None = setup.mesh
         self.config: EngineConfig = config
         self._checkpointer: Any = None  # created by the first save() or load()
         self.module = model
@@ -421,22 +148,9 @@ class Engine:
             )
             for n, p in local
         ]
-        self._init_buffers()
+        build.contiguous_buffers(model)
         if config.sync_module_states and not any(p.is_meta for _, p in named):
-            with torch.no_grad():
-                # A DTensor buffer goes as its local tensor ([Note: buffers as torch
-                # treats them] in zerostate.adapt).
-                tp_mesh = self._tp.mesh if self._tp is not None else None
-                buffers = [
-                    adapt.buffer_to_sync(b, tp_mesh) for _, b in adapt.replicated_state(model)
-                ]
-                states = [p.data for _, p in local] + [b for b in buffers if b is not None]
-                states = [t for t in states if t.numel()]
-                if self._mesh is not None:
-                    meshes.broadcast_from_first(states, self._mesh)
-                else:
-                    collectives.broadcast_from_first(states, group=group)
-
+            build.sync_module_states(model, [p for _, p in local], self._mesh, group)
         self._runtime = GroupRuntime(
             self._ctx,
             self._params,
@@ -446,12 +160,6 @@ class Engine:
         )
         self._runtime.setup(model, config)
         self._trainable = self._runtime.trainable
-        # Parameters frozen when the engine was built, watched for a gradient at each step
-        # ([Note: parameters unfrozen later]).
-        self._frozen = [
-            (sp.name, tp.model_param(sp.param)) for sp in self._params if not sp.trainable
-        ]
-        self._told_unfrozen: set[str] = set()
         # True while backward() runs ([Note: gradients from another backward]).
         self._backward_open = False
         #: The host tier of offloaded state ([Note: offload] in zerostate.runtime.offload).
@@ -464,29 +172,20 @@ class Engine:
                 params_too=config.offload == "params",
                 threads=config.offload_threads,
             )
-            self._runtime.on_reduced = _reduced_hook(weakref.ref(self))
-        self._optimizer = self._build_optimizer()
+            self._runtime.on_reduced = reduced_hook(weakref.ref(self))
+        self._optimizer = self._build_optimizer(setup.resolved)
         link_user_optimizers(optimizer, self._optimizer, self)  # [Note: live user optimizer]
-        self._optimizer.fence_loads(_weak_call(self._before_update))  # [Note: one fence]
+        self._optimizer.fence_loads(weak_call(self._before_update))  # [Note: one fence]
         # [Note: whose optimizer state dict]: None where every rank holds the same state.
         replicated = not self._runtime.policy.shard_optimizer and self._tp is None
         owner = collectives.group_info(None) if collectives.is_initialized() else (0, 1)
         self._optimizer.guard_state_dicts(None if replicated else owner)
-        _mark_wrapped(model, self)
+        build.mark_wrapped(model, self, self.stage)
         #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.activation).
-        self._activation = None
-        if config.activation_checkpointing is not None:
-            self._activation = activation.apply(
-                model, config.activation_checkpointing, config.checkpoint_modules,
-                tp=self._tp, device=device,
-            )  # fmt: skip
+        self._activation = build.checkpointed_blocks(model, config, self._tp, device)
         #: Who saves a checkpoint together under tensor parallelism ([Note: tensor-parallel
         #: checkpoints] in zerostate.runtime.tp_checkpoint); None without a tp dimension.
-        self.checkpoint_world = None
-        if self._tp is not None:
-            self.checkpoint_world = tp_checkpoint.checkpoint_world(
-                config.mesh, self._tp.rank, self._tp.size, self.rank, self.world_size
-            )
+        self.checkpoint_world = build.checkpoint_world(config, self._tp, self.rank, self.world_size)
         #: The engine's state as the checkpoint code sees it ([Note: engine parts]).
         self._parts = StateParts(
             module=model,
@@ -509,74 +208,23 @@ class Engine:
         collectives.release_import_time_group_pins()
         self._closed = False
         self._grad_hooks = [
-            sp.param.register_post_accumulate_grad_hook(_GradReadyHook(self, i))
+            sp.param.register_post_accumulate_grad_hook(GradReadyHook(self, i))
             for i, sp in enumerate(self._trainable)
         ]
         # [Note: model.load_state_dict after wrapping], [Note: deep copies of a wrapped
-        # model], [Note: converting a partitioned model]
-        self._copying = self._converting = False
-        self._load_hooks, self._guarded = self._watch_modules()
-
-    # -- construction helpers -------------------------------------------------------------
-    def _apply_tp_plan(self, model: Any, config: EngineConfig, error: Any) -> None:
-        """``tp_plan=``: checked on every rank, the verdict agreed over the whole mesh (so
-        no rank enters torch's collectives alone), then ``parallelize_module`` over
-        ``mesh["tp"]`` ([Note: tp plans] in zerostate.runtime.tp_plan)."""
-        plan = None
-        if error is None:
-            try:
-                plan = tp_plan.resolve(model, config.tp_plan)
-            except ZerostateError as exc:
-                error = exc
-        collectives.check_agreement(
-            {"tp_plan": tp_plan.describe(config.tp_plan)},
-            error,
-            group=None,
-            world_size=collectives.group_info(None)[1],
-            device=self._pick_device(model, config),
+        # model], [Note: converting a partitioned model] in zerostate.engine.guards
+        self._guards = ModuleGuards(
+            module=model,
+            params=self._params,
+            trainable=self._trainable,
+            runtime=self._runtime,
+            activation=self._activation,
+            parts=self._parts,
+            before_update=weak_call(self._before_update),
+            rank=self.rank,
         )
-        tp_plan.apply(model, plan, self._mesh.tp.mesh)
 
-    @staticmethod
-    def _pick_device(model: Any, config: EngineConfig | None) -> torch.device:
-        params = list(model.parameters()) if isinstance(model, nn.Module) else []
-        if params and not params[0].is_meta:
-            return params[0].device
-        if config is not None and config.device is not None:
-            return torch.device(config.device)
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    @staticmethod
-    def _check_optimizer(
-        model: nn.Module, config: EngineConfig, optimizer: Any, kwargs: dict
-    ) -> Any:
-        defaults = EngineConfig()
-        given = [
-            f for f in _ADAMW_FIELDS if f in kwargs or getattr(config, f) != getattr(defaults, f)
-        ]
-        if given:
-            values = ", ".join(f"{f}={getattr(config, f)!r}" for f in given)
-            name = type(optimizer).__name__ if not isinstance(optimizer, list) else "optimizer"
-            verb = "has" if len(given) == 1 else "have"
-            raise ConfigError(
-                f"Engine got {values} and optimizer={name}(...): {', '.join(given)} {verb} "
-                "no effect with optimizer= (they configure the built-in AdamW); set them "
-                f"where you build the optimizer ({name}(params, lr=...)) and drop them from "
-                "Engine(...)"
-            )
-        return resolve_user_optimizers(optimizer, list(model.named_parameters()))
-
-    def _init_buffers(self) -> None:
-        # Buffers are replicated; rank 0 checkpoints each persistent one whole (which
-        # ones: StateParts).
-        for module in self.module.modules():
-            for n, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
-                if not b.is_meta and not collectives.is_dtensor(b) and not b.is_contiguous():
-                    setattr(module, n, b.contiguous())  # stays a buffer, same persistence
-
-    def _build_optimizer(self) -> ShardedOptimizer:
+    def _build_optimizer(self, resolved: Any) -> ShardedOptimizer:
         c = self.config
 
         # Which parameters received a gradient in this accumulation window, on this rank;
@@ -584,18 +232,17 @@ class Engine:
         self._got_grad = [False] * len(self._trainable)
         optimizer = ShardedOptimizer(
             self._trainable,
-            self._resolved,
+            resolved,
             adamw=dict(lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay),
             gather=self._runtime.gather_full,
             host_step=self._host is not None,
         )
-        self._resolved = None  # holds the user's optimizer; not needed any more
         return optimizer
 
     def _on_grad_ready(self, index: int) -> None:
         param = self._trainable[index].param
         if not self._backward_open:
-            self._refuse_stray_grad(index)
+            self._guards.refuse_stray_grad(index)
         if isinstance(param, tp.LocalParam):
             # A Partial gradient is summed over tp before it is used.
             param.settle_grad(self._tp.stats)
@@ -605,10 +252,7 @@ class Engine:
     # -- training ------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_open("engine(...)")
-        if self._unset:
-            self._refuse_unset()
-        if self._torn:
-            self._refuse_torn("engine(...)")
+        self._parts.check_trainable("engine(...)")
         self._runtime.pre_forward()
         cast = self.dtype if self.config.cast_forward_inputs else None
         args, kwargs = adapt.cast_inputs(args, kwargs, cast)
@@ -623,38 +267,10 @@ class Engine:
         """See [Note: arrival deadline] in zerostate.collectives."""
         self.coordinator.arrive(what)
 
-    def _refuse_unset(self) -> None:
-        names = sorted(self._unset)
-        shown = _first_names(names)
-        raise EngineUsageError(
-            f"{len(names)} tensor(s) of this meta-device model have no initialiser and were "
-            f"never loaded: {shown}. Call engine.load_pretrained(...) or engine.load(...) "
-            "first, or pass init_fn=callable(module) to initialise them"
-        )
-
     @property
     def _unset(self) -> set[str]:
         """Names whose values no initialiser wrote ([Note: unset state], runtime/init.py)."""
         return self._parts.unset
-
-    @property
-    def _torn(self) -> set[str]:
-        """Names a failed load_pretrained may have partly written ([Note: torn weights] in
-        zerostate.engine.parts)."""
-        return self._parts.torn
-
-    def _mark_set(self, names: Any) -> None:
-        self._parts.mark_set(names)
-
-    def _refuse_torn(self, what: str) -> None:
-        names = sorted(self._torn)
-        shown = _first_names(names)
-        raise EngineUsageError(
-            f"{what} refused: load_pretrained({self._parts.torn_source!r}) failed while reading "
-            f"and left {len(names)} tensor(s) partly written, neither the model's values "
-            f"nor the file's: {shown}. Call engine.load_pretrained(...) again, or "
-            "engine.load(...), to set them"
-        )
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's loss (its mean over the local batch)."""
@@ -691,37 +307,19 @@ class Engine:
             )
         if self._parts.micro_step < self.config.grad_accum_steps:
             return False
-        if self._frozen:
-            self._tell_unfrozen()
+        self._guards.tell_unfrozen()
         self._runtime.uncover_grads()  # [Note: gradient stand-ins] in zerostate.runtime
-        if self._host is not None:
-            grads = self._host_grads()
-        else:
-            grads = [
-                g if g.dtype == torch.float32 else g.float() for g in self._runtime.step_grads()
-            ]
+        grads = pipeline.step_grads(self._runtime, self._host, self._ctx)
         divisor = self.data_parallel_size * self.config.grad_accum_steps * self._scaler.scale
         torch._foreach_mul_(grads, 1.0 / divisor)
-        # One all-reduce gives the global squared norm and, per parameter, how many ranks
-        # saw a gradient (a parameter no rank saw is not stepped, as torch skips it).
-        if self._tp is not None:  # tp-sharded squares over tp, tp-replicated ones once
-            squares = tp.sum_of_squares(grads, self._trainable, self._tp, sum_of_squares)
-        else:
-            squares = sum_of_squares(grads)
-        flags = torch.tensor(self._got_grad, dtype=torch.float32, device=squares.device)
-        folded = torch.cat([squares, flags]).to(self.device)
-        self._runtime.reduce_norm_and_flags(folded)
-        if self._tp is not None:
-            tp.all_reduce(folded, self._tp)
-        folded = folded.to(squares.device)  # offload: the grads to clip are on the host
-        norm = folded[:1].sqrt()
-        stepped = (folded[1:] > 0).tolist()
+        norm, stepped = pipeline.norm_and_flags(
+            grads, self._got_grad, self._runtime, self._trainable, self._tp, self.device
+        )
         self._got_grad = [False] * len(self._trainable)
         self.last_grad_norm = float(norm)
         overflow = self._scaler.enabled and not math.isfinite(self.last_grad_norm)
         if self.config.grad_clip is not None and not overflow:
-            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0).reshape(())
-            torch._foreach_mul_(grads, coef)
+            pipeline.clip_(grads, norm, self.config.grad_clip)
         if not overflow:
             self._before_update()
             if self._host is not None:
@@ -733,315 +331,9 @@ class Engine:
         self._scaler.update(overflow)
         self._runtime.zero()
         self._parts.micro_step = 0
-        self._stats.end_step()
-        if self._ctx.replicas is not None:
-            self._ctx.replicas.stats.end_step()
-        if self._tp is not None:
-            self._tp.stats.end_step()
+        stats.end_step(self._stats, self._ctx, self._tp)
         self._progress.after_step(self)
         return not overflow
-
-    def _refuse_stray_grad(self, index: int) -> None:
-        """A gradient reached a parameter outside :meth:`backward`: drop it and raise.
-
-        [Note: gradients from another backward]
-        The engine takes each gradient as autograd accumulates it (its post-accumulate
-        hook) and reduces it with its bucket, so it only knows what to do with one inside
-        ``engine.backward(loss)``, which prepares the buckets and finishes them. Two habits
-        reach the parameters from another backward. A DDP script's ``loss.backward()``
-        (``step()`` then refused it, but the hooks had already run). And a GAN's
-        generator step, ``engine_g.backward(loss_g)`` with ``loss_g`` computed through the
-        discriminator's engine, the recipe of PyTorch's DCGAN example, which lets the
-        generator's loss fill the discriminator's ``.grad`` and discards it with
-        ``netD.zero_grad()`` before the discriminator's next step. Here that gradient
-        reached buckets already reduced in the discriminator's last step and raised "arrived
-        after its group was reduced ... report it with the model" (2 ranks, stages 0-3),
-        which named neither the cause nor the fix; with gradient accumulation it could
-        land in the discriminator's next update instead. The engine cannot set such a
-        gradient aside for a later ``zero_grad()`` (at stages 2-3 it would have to hold a
-        whole unreduced gradient), so the gradient is dropped from ``.grad`` (a later
-        backward must not add to it) and the backward raises, naming the two fixes:
-        ``engine.backward(loss)``, or freezing the parameters around a backward that must
-        not train them, which equals torch's DCGAN recipe step for step."""
-        sp = self._trainable[index]
-        tp.model_param(sp.param).grad = None
-        raise EngineUsageError(
-            f"the gradient of {sp.name} arrived outside this engine's backward(): a backward "
-            "the engine did not start reached its parameters (loss.backward() instead of "
-            "engine.backward(loss), or another model's loss through this one, as a GAN's "
-            "generator loss through the discriminator). The engine reduces gradients as "
-            "they arrive and cannot keep one for a later zero_grad(); it was dropped. Call "
-            "engine.backward(loss) for this engine's losses, and around a backward that must "
-            "not train these parameters freeze them (model.requires_grad_(False), then "
-            "requires_grad_(True)) or detach what flows into them"
-        )
-
-    @hollow.unguarded
-    def _tell_unfrozen(self) -> None:
-        """Warn (rank 0, once per parameter) about parameters frozen at construction that
-        now hold a gradient.
-
-        [Note: parameters unfrozen later]
-        The engine partitions, and keeps masters and optimizer state for, the parameters
-        that require grad when it is built; a frozen one is stored once and never stepped.
-        Setting ``requires_grad_(True)`` on it later (gradual unfreezing, a callback that
-        unfreezes the backbone) made autograd fill its ``.grad`` while the engine went on
-        ignoring it: the parameter stayed at its initial values, with no word (2 ranks,
-        stages 0-3), where torch's AdamW built over ``model.parameters()`` trains it.
-        Adding a parameter to the partitions mid-run would re-plan buckets, masters, the
-        optimizer's groups and the checkpoint layout, so the engine says so instead, and
-        names what works: build the engine with the parameter trainable and freeze it with
-        ``requires_grad_(False)`` until it should train. A trainable parameter without a
-        gradient is not stepped (torch skips it too), so that run equals torch's AdamW
-        step for step. Freezing a trainable parameter mid-run needs nothing: it gets no
-        gradient and is not stepped. The check reads ``.grad`` of the frozen parameters
-        at each optimizer step (a few hundred attribute reads for a LoRA model); their
-        ``.grad`` is left as autograd made it."""
-        got = [
-            name
-            for name, param in self._frozen
-            if param.grad is not None and name not in self._told_unfrozen
-        ]
-        if not got:
-            return
-        self._told_unfrozen.update(got)
-        if self.rank == 0:
-            log.warning(
-                "zerostate: %d parameter(s) frozen (requires_grad=False) when the Engine was "
-                "built now receive gradients, which the engine does not apply: %s. It trains "
-                "only the parameters that were trainable at Engine(...); to unfreeze one "
-                "later, build the engine with it trainable and freeze it with "
-                "requires_grad_(False) until then (a parameter without a gradient is not "
-                "stepped). Their .grad tensors hold memory until set to None",
-                len(got),
-                _first_names(got),
-            )
-
-    def _watch_modules(self) -> tuple[list[Any], list[nn.Module]]:
-        """On every module with engine parameters under it: a :class:`_ModuleLoadHook`, a
-        :class:`_ModuleCopyGuard` as its ``__deepcopy__`` and, where the engine partitions
-        the parameters, a :class:`_ModuleConvertGuard` as its ``_apply``. Returns the hook
-        handles and those modules (for :meth:`close`)."""
-        by_param = {id(tp.model_param(sp.param)): sp for sp in self._params}
-        self._param_ids = set(by_param)
-        copy_guard = _ModuleCopyGuard(self)
-        convert_guard = _ModuleConvertGuard(self) if self._runtime.policy.shard_params else None
-        handles, guarded = [], []
-        for module in self.module.modules():
-            tree = [
-                (name, p)
-                for name, p in module.named_parameters(remove_duplicate=False)
-                if id(p) in by_param
-            ]
-            if not tree:
-                continue
-            owned = {
-                name: by_param[id(p)]
-                for name, p in module.named_parameters(recurse=False)
-                if id(p) in by_param
-            }
-            hook = _ModuleLoadHook(self, owned, tree)
-            handles.append(module.register_load_state_dict_pre_hook(hook))
-            module.__dict__["__deepcopy__"] = types.MethodType(copy_guard, module)
-            if convert_guard is not None:
-                module.__dict__["_apply"] = types.MethodType(convert_guard, module)
-            guarded.append(module)
-        return handles, guarded
-
-    def _convert_module(self, module: nn.Module, fn: Callable, recurse: bool) -> nn.Module:
-        """``module._apply(fn, recurse)`` of a module with partitioned parameters under it,
-        checked first.
-
-        [Note: converting a partitioned model]
-        At stage 3 the engine owns the parameters' storage: each holds no values outside
-        a gather, and a gather fills the storage the parameter has. ``model.double()`` and
-        ``model.share_memory()`` on a wrapped stage-3 model killed the process with SIGSEGV
-        (torch copies from a parameter with no storage), ``model.half()`` raised torch's
-        "data is not allocated yet", and ``model.to_empty()`` put new full tensors under
-        the engine (2 gloo ranks). A conversion that changes a parameter (a new tensor, or
-        its storage moved) is now refused before any is converted, naming what works; one
-        that changes nothing (``.to()`` the device and dtype the parameters have, as
-        Lightning and the Trainer call it) goes through. Whether ``fn`` changes a tensor
-        is asked of a one-element tensor of each dtype and device the parameters have: the
-        conversions torch's methods make are elementwise in dtype and device. The
-        outermost call checks its whole subtree; the submodules it converts are not asked
-        again.
-        """
-        if self._converting:
-            return type(module)._apply(module, fn, recurse)
-        seen = set()
-        for p in module.parameters():
-            if id(p) not in self._param_ids or (p.dtype, p.device) in seen:
-                continue
-            seen.add((p.dtype, p.device))
-            if hollow.converts(fn, p.dtype, p.device):
-                raise StageUsageError(
-                    "converting the parameters of a model a stage-3 engine trains (to "
-                    "another dtype or device, to_empty(), share_memory()): the engine owns "
-                    "their storage, partitioned across the ranks, and the conversion would "
-                    "replace it (outside a gather it holds no values). Set the working dtype "
-                    "with precision= and move the model before building the Engine, or call "
-                    "engine.close() first (the model then holds its full weights)"
-                )
-        self._converting = True
-        try:
-            return type(module)._apply(module, fn, recurse)
-        finally:
-            self._converting = False
-
-    def _copy_module(self, module: nn.Module, memo: dict) -> nn.Module:
-        """``copy.deepcopy(module)`` of a module the engine trains (or of a model holding
-        one).
-
-        [Note: deep copies of a wrapped model]
-        A deep copy (an EMA or SWA model through ``AveragedModel(model)``, a frozen
-        reference model for DPO, a snapshot) copied the engine along with the weights: the
-        engine's forward hooks, its ``load_state_dict`` and ``state_dict`` hooks, the
-        checkpointed blocks' forwards and the mark that the model is wrapped. Reproduced on
-        2 gloo ranks:
-        * with ``activation_checkpointing``, at every stage, the copy's forward ran the
-          original's blocks: its output moved with the original's training (an EMA equal
-          to the live model, a reference model that is the policy), with no error;
-        * at stage 3, a copy made inside ``gathered()`` gathered the original's parameters
-          at each of its calls, and called on rank 0 alone it hung in that gather;
-        * ``Engine(copy)`` was refused as "already wrapped";
-        * at stage 3 outside a gather the parameters hold no storage, and the copy (torch
-          clones each parameter) killed the process with SIGSEGV.
-        Now the copy is a plain torch module: none of the engine's hooks, the blocks' own
-        forwards, no mark; its parameters are clones of the values the module holds (the
-        working parameters: at stage 3 inside ``gathered()``). At stage 3 outside a gather
-        the copy is refused before anything is copied, naming ``gathered()``. The original
-        keeps everything. The copy is the caller's: the engine does not train or save it.
-        """
-        if self._copying:  # a submodule of a copy in progress: the outer call checks and strips
-            return _plain_deepcopy(module, memo)
-        hollow = [
-            name
-            for name, p in module.named_parameters()
-            if id(p) in self._param_ids and holds_no_values(p)
-        ]
-        if hollow:
-            raise StageUsageError(
-                f"copy.deepcopy() at stage 3: {hollow[0]} (and every parameter outside a "
-                "gather) is partitioned across the ranks and holds no values here, so the "
-                "copy would have none. Copy inside `with engine.gathered():` (a full copy on "
-                "each rank that runs it, a plain torch module the engine does not train), or "
-                "build the copy from engine.full_state_dict()"
-            )
-        self._copying = True
-        try:
-            dup = _plain_deepcopy(module, memo)
-        finally:
-            self._copying = False
-        hook_ids = {handle.id for handle in self._load_hooks} | self._runtime.hook_ids()
-        checkpointed = (
-            {id(m) for m in self._activation.modules()} if self._activation is not None else set()
-        )
-        for original in module.modules():
-            twin = memo.get(id(original))
-            if not isinstance(twin, nn.Module) or twin is original:
-                continue
-            state = twin.__dict__
-            for name, value in list(state.items()):
-                if "hooks" in name and isinstance(value, dict):
-                    for key in [k for k in value if k in hook_ids]:
-                        del value[key]
-            if id(original) in checkpointed:
-                state.pop("forward", None)  # the class's own forward
-            state.pop(_WRAPPED_BY, None)
-            state.pop("__deepcopy__", None)
-            state.pop("_apply", None)
-        return dup
-
-    def _on_module_load(
-        self,
-        module: nn.Module,
-        owned: dict[str, ShardedParam],
-        tree: list[tuple[str, nn.Parameter]],
-        state_dict: Mapping,
-        prefix: str,
-        metadata: Any,
-    ) -> None:
-        """Before torch copies ``state_dict`` into ``module``'s own parameters.
-
-        [Note: model.load_state_dict after wrapping]
-        ``model.load_state_dict(sd)`` after the engine is built (restoring weights the way a DDP
-        script does) writes into the module's parameters, and the engine's own copies did not
-        follow. At stages 0-2 with fp32 working parameters the masters are views of them and
-        took the values, but in bf16 (or with the masters offloaded) the fp32 masters kept the
-        old weights, and the next step wrote those back over the load: on 2 ranks every weight
-        was the initial one again after one step at lr 0, with no error. At stage 3 the
-        parameters hold no storage outside a gather, and torch's copy into them crashed the
-        process (SIGSEGV). So before torch copies a module's parameters this hook:
-        * refuses ``assign=True``, which swaps in the dict's tensors as new parameters: the
-          engine's hooks and storage stay with the old ones, and the forward output stopped
-          changing from step to step (stages 0 and 2, 2 ranks);
-        * at stage 3 outside a gather, refuses, naming the calls that work, before anything
-          is written (the called module's hook, the first to run, checks every parameter
-          the call will write, so a ``gathered(modules=...)`` of a part refuses a load of
-          the whole before the gathered part is written); inside
-          ``gathered(rank0_only=True)`` too: rank 0 alone would write its own shards, and
-          every parameter came out part loaded, part not (2 ranks);
-        * passes the fence of every writer ([Note: one fence]): an async save may be reading;
-        * writes this rank's fp32 master range (where it is not a view of the parameter) and
-          its working-dtype shard (stage 3) from the dict's tensor itself, in full precision,
-          so the load lands whether or not a ``gathered()`` block writes back;
-        * counts the names as set ([Note: unset state], [Note: torn weights]).
-        Tensors of another shape are left to torch, which reports them. As with DDP, every
-        rank must load: each writes its own ranges from its own copy of the dict."""
-        if self._closed:
-            return
-        if isinstance(metadata, Mapping) and metadata.get("assign_to_params_buffers"):
-            raise ConfigError(
-                "load_state_dict(assign=True) would put the dict's tensors in place of the "
-                "parameters the engine trains, and training would go on without them; load "
-                "without assign=True (the values are copied into the engine's storage)"
-            )
-        # The whole subtree this call writes is checked before anything is written: the
-        # first hook of a load is the called module's, and it sees every key.
-        coming = [
-            (prefix + name, p)
-            for name, p in tree
-            if isinstance(src := state_dict.get(prefix + name), torch.Tensor)
-            and tuple(src.shape) == tuple(p.shape)
-        ]
-        if not coming:
-            return
-        hollow = [key for key, p in coming if holds_no_values(p)]
-        if hollow:
-            raise ConfigError(
-                f"load_state_dict() at stage 3: {hollow[0]} (and every parameter outside a "
-                "gather) is partitioned across the ranks and holds no storage here, so torch "
-                "cannot copy into it. Load inside `with engine.gathered():` on every rank "
-                "(the values land in this rank's shards and fp32 masters), or use "
-                "engine.load_pretrained(path) for a safetensors file or Hugging Face "
-                "directory, or engine.load(root) for a zerostate checkpoint"
-            )
-        if self._runtime.gathered_rank0_only:
-            raise ConfigError(
-                "load_state_dict() inside gathered(rank0_only=True): each rank writes only "
-                "its own shards, so the other ranks would keep the old values and every "
-                "parameter would be part loaded, part not; load inside `with "
-                "engine.gathered():` on every rank"
-            )
-        incoming = []
-        for name, sp in owned.items():
-            src = state_dict.get(prefix + name)
-            if isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(sp.shape):
-                incoming.append((name, sp, src))
-        if not incoming:
-            return
-        self._before_update()
-        with torch.no_grad():
-            for _, sp, src in incoming:
-                flat = src.detach().reshape(-1)
-                shard = sp.shard
-                if shard is not None and self._runtime.policy.shard_params:
-                    shard.copy_(flat[sp.start : sp.stop].view(shard.shape))
-                if sp.master is not None and not sp.master_aliased:
-                    lo = sp.master_start
-                    sp.master.copy_(flat[lo : lo + sp.master.numel()].view(sp.master.shape))
-        self._mark_set({sp.name for _, sp, _ in incoming})
 
     def _before_update(self) -> None:
         """The fence every writer of masters or optimizer state passes first: an async
@@ -1062,17 +354,6 @@ class Engine:
         # while backward goes on ([Note: offload] in zerostate.runtime.offload).
         positions = self._runtime.positions(group)
         self._host.copy_group(group.index, positions, group.reduced_grads())
-
-    def _host_grads(self) -> list[torch.Tensor]:
-        """The step's gradient shards on the host, in fp32, as the device path has them
-        before scaling (fp16 sums multiplied back: [Note: reduce precision])."""
-        for group, positions in self._runtime.reduced_groups():
-            if not self._host.copied(group.index):  # its reduce hook did not run
-                self._host.copy_group(group.index, positions, group.reduced_grads())
-        grads = self._host.wait_grads()
-        if self._ctx.predivide != 1.0:
-            torch._foreach_mul_(grads, self._ctx.predivide)
-        return grads
 
     @property
     def data_parallel_size(self) -> int:
@@ -1126,9 +407,7 @@ class Engine:
         where: str = "the checkpoint",
         step: int | None = None,
     ) -> LoadPlan:
-        """Check an engine-state document (and, given ``stored``, the step's tensors)
-        against this engine and decode it; changes nothing (see [Note: planned load] in
-        zerostate.engine_state)."""
+        """Check a step's engine-state document against this engine; changes nothing."""
         return self._parts.plan_load(state, stored, strict=strict, where=where, step=step)
 
     def apply_load(self, plan: LoadPlan, read: Collection[str] = ()) -> AppliedLoad:
@@ -1184,8 +463,7 @@ class Engine:
         saves there anyway.
         """
 
-        if self._torn:
-            self._refuse_torn("save()")
+        self._parts.check_not_torn("save()")
 
         def save() -> Any:
             return self._ckpt().save(
@@ -1205,13 +483,7 @@ class Engine:
         number = self.optimizer_steps if step is None else int(step)
 
         def skipped() -> SaveHandle:
-            if blocking:
-                return SaveHandle(number, path, None, 0.0)  # replica 0's verdict follows
-            root = self._ckpt().roots.open(path, storage_options)  # the engine's root object
-            watch = meshes.watch_commit(
-                lambda: root.is_committed(number), f"step {number}", self._ckpt().timeout_s
-            )
-            return SaveHandle(number, path, watch, 0.0)
+            return self._ckpt().skipped_save(path, number, blocking, storage_options)
 
         return meshes.save_on_first_replica(self._replica_coordinator, save, skipped)
 
@@ -1292,22 +564,19 @@ class Engine:
         and ``load_pretrained`` are refused afterwards; ``full_state_dict()`` still works.
         """
         ending = whole_model and not self._closed
-        if ending and self._torn:
-            self._refuse_torn("close()")  # close(whole_model=False) still ends an error path
+        if ending:  # close(whole_model=False) still ends an error path
+            self._parts.check_not_torn("close()")
         if ending:
             if self._runtime.policy.shard_params:
                 self._arrive("close")
             self._runtime.detach()
-            for handle in (*self._grad_hooks, *self._load_hooks):
+            for handle in self._grad_hooks:
                 handle.remove()
-            self._grad_hooks, self._load_hooks = [], []
-            for module in self._guarded:
-                module.__dict__.pop("__deepcopy__", None)
-                module.__dict__.pop("_apply", None)
-            self._guarded = []
+            self._grad_hooks = []
+            self._guards.remove()
             if self._activation is not None:
                 self._activation.remove()
-            self.module.__dict__.pop(_WRAPPED_BY, None)  # a new Engine may wrap it now
+            self.module.__dict__.pop(build.WRAPPED_BY, None)  # a new Engine may wrap it now
             self._closed = True
         if self._checkpointer is not None:
             self._checkpointer.close()
@@ -1393,90 +662,24 @@ class Engine:
         )
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes of model state this rank holds now, by kind.
-
-        ``model_states`` (params + grads + master + optim_states) is the quantity of the
-        ZeRO paper. Beside it, every working buffer by name: ``gathered_params`` (stage 3:
-        storage of the units gathered right now, at most the one computing and the one
-        prefetched), ``comm_buffers`` (the pooled pack / gather buffers of the collectives
-        in flight, at most two per kind, reused every step); ``buffers_in_flight`` is their
-        sum and ``total`` adds it to ``model_states``. Storage shared
-        by the master and the working copy (fp32) is counted once, as params. ``grads``
-        counts what the reduce precision costs (docs/engine.md, "Precision"): fp32
-        gradient shards at stages 1-3, and at stages 0-1 an fp32 flat accumulation buffer
-        of the full gradients when ``reduce_dtype`` is wider than the working dtype.
-
-        Per memory tier: ``device_bytes`` and ``host_bytes`` split ``total``;
-        ``device_optimizer_bytes`` / ``host_optimizer_bytes`` split the optimizer part
-        (fp32 masters held apart from the working copy, plus optimizer states). Without
-        offload everything is on the device tier; with ``offload`` the masters, optimizer
-        states and ``host_grads`` (the host staging buffer of the step's gradient shards)
-        are on the host, and with ``offload="params"`` the parameter shards too.
-
-        Under tensor parallelism every count is of this rank's local tp shards (Psi/TP of a
-        tp-sharded matrix, all of a tp-replicated parameter), partitioned over ``dp_shard``.
-        """
-
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
-        held = self._runtime.bytes_held()
-        params, grads = held["params"], held["grads"]
-        master = sum(nbytes(sp.master) for sp in self._params if not sp.master_aliased)
-        optim = self._optimizer.state_bytes()
-        gathered = held["gathered_params"]
-        comm = self._pool.allocated_bytes
-        staging = self._host.staging_bytes() if self._host is not None else 0
-        model_states = params + grads + master + optim
-        total = model_states + gathered + comm + staging
-        # Tiers ([Note: offload]): with offload the masters, optimizer states and the
-        # gradient staging buffer are host memory (and the shards with offload="params").
-        host_optim = master + optim if self._host is not None else 0
-        host = host_optim + staging
-        if self._host is not None and self._host.params_too:
-            host += params
-        return {
-            "params": params,
-            "grads": grads,
-            "master": master,
-            "optim_states": optim,
-            "model_states": model_states,
-            "gathered_params": gathered,
-            "comm_buffers": comm,
-            "buffers_in_flight": gathered + comm,
-            "host_grads": staging,
-            "total": total,
-            "device_bytes": total - host,
-            "host_bytes": host,
-            "device_optimizer_bytes": master + optim - host_optim,
-            "host_optimizer_bytes": host_optim,
-        }
+        """Bytes of model state this rank holds now, by kind and by memory tier: the ZeRO
+        paper's ``model_states`` (params + grads + master + optim_states), every working
+        buffer by name, and the device / host split (see
+        :func:`zerostate.engine.stats.memory_stats` for each key)."""
+        return stats.memory_stats(
+            runtime=self._runtime,
+            sharded=self._params,
+            optimizer=self._optimizer,
+            pool=self._pool,
+            host_tier=self._host,
+        )
 
     def comm_stats(self, dim: str | None = None) -> dict[str, dict[str, int]]:
         """Communication of the last completed optimizer step, per collective kind and in
-        total, counted as in [Note: comm accounting] (zerostate.collectives).
-
-        With a mesh, ``dim=`` gives one dimension's part and the default adds them up:
-        ``"dp_shard"`` (ZeRO's gathers and reduce-scatters, of each rank's local tp shards
-        under tensor parallelism: 2 Psi/TP at stages 0-2, 3 Psi/TP at stage 3),
-        ``"dp_replicate"`` (hybrid sharding's all-reduce of the reduced gradient shard) and
-        ``"tp"``. Over ``tp`` only the collectives the engine itself issues are counted: the
-        norm-and-flags all-reduce and the summing of ``Partial`` gradients of replicated
-        DTensor parameters. The collectives torch's DTensor runs inside the module's forward
-        and backward (activations, the parallel styles' input/output redistributions) are
-        not counted: they are torch's, and the engine does not see them."""
-        reports = {"dp_shard": self._stats.report()}
-        if self._ctx.replicas is not None:
-            reports["dp_replicate"] = self._ctx.replicas.stats.report()
-        if self._tp is not None:
-            reports["tp"] = self._tp.stats.report()
-        if dim is None:
-            return meshes.sum_reports(list(reports.values()))
-        if dim not in reports:
-            raise ConfigError(
-                f"comm_stats(dim={dim!r}): this engine communicates over {sorted(reports)}"
-            )
-        return reports[dim]
+        total ([Note: comm accounting] in zerostate.collectives); with a mesh, ``dim=``
+        (``"dp_shard"``, ``"dp_replicate"``, ``"tp"``) gives one dimension's part and the
+        default adds them up (see :func:`zerostate.engine.stats.comm_stats`)."""
+        return stats.comm_stats(self._stats, self._ctx, self._tp, dim)
 
     def layouts(self) -> dict[str, TensorLayout]:
         return {sp.name: sp.layout for sp in self._params}

@@ -18,8 +18,9 @@ from torch import nn
 
 from zerostate import adapt
 from zerostate.coordinator import Coordinator
+from zerostate.engine.build import first_names
 from zerostate.engine_state import AppliedLoad, LoadPlan, check_tensors, check_tying
-from zerostate.errors import ConfigError, CorruptCheckpointError
+from zerostate.errors import ConfigError, CorruptCheckpointError, EngineUsageError
 from zerostate.optim import OptimizerLoad, ShardedOptimizer
 from zerostate.partition import TensorLayout
 from zerostate.precision import LossScaler
@@ -105,6 +106,30 @@ class StateParts:
         works."""
         self.torn.update(names)
         self.torn_source = source
+
+    def check_trainable(self, what: str) -> None:
+        """Refuse ``what`` while tensors are unset or torn (training on them would train
+        values nobody wrote)."""
+        if self.unset:
+            names = sorted(self.unset)
+            raise EngineUsageError(
+                f"{len(names)} tensor(s) of this meta-device model have no initialiser and "
+                f"were never loaded: {first_names(names)}. Call engine.load_pretrained(...) "
+                "or engine.load(...) first, or pass init_fn=callable(module) to initialise them"
+            )
+        self.check_not_torn(what)
+
+    def check_not_torn(self, what: str) -> None:
+        """Refuse ``what`` while a failed ``load_pretrained`` left tensors torn."""
+        if not self.torn:
+            return
+        names = sorted(self.torn)
+        raise EngineUsageError(
+            f"{what} refused: load_pretrained({self.torn_source!r}) failed while reading "
+            f"and left {len(names)} tensor(s) partly written, neither the model's values "
+            f"nor the file's: {first_names(names)}. Call engine.load_pretrained(...) again, "
+            "or engine.load(...), to set them"
+        )
 
     # -- state views -----------------------------------------------------------------------
     def named_buffers(self, saved: bool = False) -> list[tuple[str, torch.Tensor]]:
