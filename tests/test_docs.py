@@ -61,7 +61,7 @@ def test_api_page_holds_the_current_fields_table() -> None:
         import api_fields
     finally:
         sys.path.pop(0)
-    from zerostate.config import field_docs
+    from zerostate.engine.config import field_docs
 
     undocumented = [name for name, (_, _, doc) in field_docs().items() if not doc.strip()]
     assert not undocumented, f"EngineConfig fields without a docstring: {undocumented}"
@@ -135,8 +135,8 @@ def test_fsdp_guide_2d_section_uses_the_real_api() -> None:
     import dataclasses
     import inspect
 
-    from zerostate.config import EngineConfig
     from zerostate.engine import Engine
+    from zerostate.engine.config import EngineConfig
     from zerostate.runtime.mesh import DIM_NAMES
 
     section = _section("coming-from-fsdp.md", "## 2-D meshes: FSDP2 + tensor parallelism")

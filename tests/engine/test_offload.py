@@ -10,7 +10,7 @@ from common import engine_steps, make_engine, make_model
 from helpers_dist import run_distributed
 
 import zerostate
-from zerostate.config import EngineConfig
+from zerostate.engine.config import EngineConfig
 from zerostate.errors import ConfigError
 
 STEPS = 10

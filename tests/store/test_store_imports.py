@@ -89,7 +89,6 @@ TRAINING = (
     "zerostate.engine",
     "zerostate.engine_state",
     "zerostate.config",
-    "zerostate.progress",
     "zerostate.runtime",
     "zerostate.sharded",
     "zerostate.comm",

@@ -43,7 +43,7 @@ class EngineParts(Protocol):
     module: nn.Module
     """The model the engine trains (its config and adapters are recorded with a step)."""
     config: Any
-    """The engine's :class:`~zerostate.config.EngineConfig` (a peer's update settings are
+    """The engine's :class:`~zerostate.engine.config.EngineConfig` (a peer's update settings are
     compared with it at load)."""
     tied: Mapping[str, str]
     """Tied parameter aliases: alias -> canonical name."""

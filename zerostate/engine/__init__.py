@@ -7,10 +7,11 @@ agrees on before anything changes; ``parts`` the engine's state as the checkpoin
 it ([Note: engine parts] in zerostate.checkpoint.parts); ``guards`` the guards on torch's
 module API over the wrapped model; ``hooks`` the weak autograd and runtime hooks;
 ``pipeline`` the gradient side of a step (norm, flags, clipping); ``stats`` memory and
-communication statistics.
+communication statistics; ``config`` the settings (:class:`EngineConfig`); ``progress``
+the progress log.
 """
 
-from zerostate.config import EngineConfig
+from zerostate.engine.config import EngineConfig
 from zerostate.engine.facade import Engine
 from zerostate.errors import EngineUsageError
 from zerostate.sharded import ShardView

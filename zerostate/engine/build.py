@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zerostate import activation, adapt, collectives
-from zerostate.config import EngineConfig, check_setting_names
+from zerostate.engine.config import EngineConfig, check_setting_names
 from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import describe, resolve_user_optimizers, whole_matrix_names
 from zerostate.runtime import mesh as meshes

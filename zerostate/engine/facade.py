@@ -43,12 +43,13 @@ from zerostate.checkpoint import (  # imported here, not on the first save or lo
 )
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
-from zerostate.config import EngineConfig
 from zerostate.coordinator import Coordinator
 from zerostate.engine import build, pipeline, stats
+from zerostate.engine.config import EngineConfig
 from zerostate.engine.guards import ModuleGuards
 from zerostate.engine.hooks import GradReadyHook, reduced_hook, weak_call
 from zerostate.engine.parts import StateParts
+from zerostate.engine.progress import ProgressLog
 from zerostate.engine_state import AppliedLoad, LoadPlan
 from zerostate.errors import EngineUsageError
 from zerostate.optim import (
@@ -58,7 +59,6 @@ from zerostate.optim import (
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
 from zerostate.pretrained import PretrainedReport, load_pretrained
-from zerostate.progress import ProgressLog
 from zerostate.runtime import mesh as meshes
 from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier

@@ -31,7 +31,7 @@ from zerostate.sharded import ShardedParam, ShardView
 from zerostate.store.state_doc import ENGINE_STATE_VERSION, check_document
 
 if TYPE_CHECKING:
-    from zerostate.config import EngineConfig
+    from zerostate.engine.config import EngineConfig
     from zerostate.runtime.tp import TensorParallel
     from zerostate.runtime.tp_checkpoint import CheckpointWorld
 
