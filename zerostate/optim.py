@@ -661,7 +661,7 @@ class ShardedOptimizer:
         """Check a checkpoint's optimizer metadata (version, classes, state entries)
         against this optimizer and decode it: the ``keys`` and ``scalars`` of an
         :class:`OptimizerLoad`; nothing here changes (see [Note: planned load] in
-        zerostate.engine_state). :meth:`plan_groups` gives the rest."""
+        zerostate.checkpoint.load_plan). :meth:`plan_groups` gives the rest."""
         self._check_meta(meta)
         saved = meta["state"]
         for name in saved:

@@ -91,9 +91,9 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
+    from zerostate.checkpoint.pretrained import PretrainedMismatchError
     from zerostate.engine import EngineUsageError
     from zerostate.errors import DistributedMismatchError
-    from zerostate.pretrained import PretrainedMismatchError
 
     out: dict = {}
     counted = _count_data_reads()

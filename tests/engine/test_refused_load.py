@@ -1,5 +1,5 @@
 """A refused load leaves the engine exactly as it was ([Note: planned load] in
-zerostate.engine_state): weights, moments, step counts, group hyperparameters, and the
+zerostate.checkpoint.load_plan): weights, moments, step counts, group hyperparameters, and the
 next steps, compared bit for bit with an engine that never tried the load."""
 
 from __future__ import annotations

@@ -87,7 +87,6 @@ def test_the_readers_are_siblings():
 #: integrations. A name stands for the module or, for a package, everything under it.
 TRAINING = (
     "zerostate.engine",
-    "zerostate.engine_state",
     "zerostate.config",
     "zerostate.runtime",
     "zerostate.sharded",
@@ -100,9 +99,6 @@ TRAINING = (
     "zerostate.muon",
     "zerostate.precision",
     "zerostate.checkpoint",
-    "zerostate.frozen",
-    "zerostate.pretrained",
-    "zerostate.peer_settings",
     "zerostate.integrations",
     "zerostate.models",
 )
@@ -151,7 +147,6 @@ def test_the_training_list_names_modules_that_exist():
         path = package.parent.joinpath(*name.split("."))
         assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), name
     assert _training(["zerostate.engine_state", "zerostate.runtime.group", "zerostate.store"]) == [
-        "zerostate.engine_state",
         "zerostate.runtime.group",
     ]
 

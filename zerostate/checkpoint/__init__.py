@@ -38,7 +38,10 @@ The package: :class:`Checkpointer` (here) is the engine's facade; ``save.py`` an
 hold one session per call, ``roots.py`` the roots the engine keeps (one per location),
 ``async_save.py`` the snapshot fence, background writer and :class:`SaveHandle`,
 ``state.py`` the JSON state, RNG and model config, ``foreign.py`` the fitting of a peer's
-step (DeepSpeed, DCP) to the loading engine.
+step (DeepSpeed, DCP) to the loading engine, ``parts.py`` what the sessions see of an
+engine ([Note: engine parts]), ``load_plan.py`` the checked plan of a load and its undo,
+``frozen.py`` frozen tensors a save references instead of rewriting, ``pretrained.py``
+``load_pretrained``, ``peer_settings.py`` a peer's update settings compared at load.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A peer records less than a zerostate save: DCP says nothing of weight tying, a D
 config may not name its optimizer class, and a peer may group parameters differently.
 What a peer's step does not record is supplied here by the loading engine, on a copy of
 the step's engine-state document, and what cannot fit is refused before the engine
-changes ([Note: planned load] in zerostate.engine_state).
+changes ([Note: planned load] in zerostate.checkpoint.load_plan).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def fit_foreign_step(parts: EngineParts, st: Any, state: dict) -> dict:
     hold the same values), its optimizer classes (when the peer's config does not name one), and its
     buffer names (DCP does not tell buffers from parameters: a buffer is read from
     ``model/<name>``). Refuses what cannot fit before the engine changes ([Note: planned
-    load] in zerostate.engine_state)."""
+    load] in zerostate.checkpoint.load_plan)."""
     if state.get("tied") is None:
         for alias, canonical in parts.tied.items():
             if f"model/{alias}" in st.tensors and f"model/{canonical}" in st.tensors:

@@ -1,6 +1,6 @@
 """A load session: one collective load of a step (any format, any world size) into an engine.
 
-[Note: planned load] in zerostate.engine_state: every check runs before anything in the
+[Note: planned load] in zerostate.checkpoint.load_plan: every check runs before anything in the
 engine changes; then the plan is applied, this rank's ranges are read into the engine in
 one batched read, and the ranks agree ([Note: failing together] in zerostate.checkpoint)
 before the working copies are rebuilt and the stateful objects restored.
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerostate import peer_settings
+from zerostate.checkpoint import peer_settings
 from zerostate.checkpoint.foreign import open_any_step
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import (

@@ -5,7 +5,7 @@ A save, a load, ``load_pretrained`` and the fitting of a peer's step need a hand
 things from the engine that trains: the live tensors to write or read into
 (``state_views``), the engine-state document a step records (``engine_state``), a load
 planned and checked before anything changes and then installed (``plan_load`` /
-``apply_load``, [Note: planned load] in zerostate.engine_state), the working copies
+``apply_load``, [Note: planned load] in zerostate.checkpoint.load_plan), the working copies
 rebuilt from the masters afterwards, and a few plain facts (rank, coordinator, module,
 config, weight tying). :class:`EngineParts` names exactly those; the engine builds one
 object that implements it (``zerostate.engine.parts.StateParts``) from its pieces and
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
     from zerostate.coordinator import Coordinator
-    from zerostate.engine_state import AppliedLoad, LoadPlan
     from zerostate.runtime.tp_checkpoint import CheckpointWorld
     from zerostate.sharded import ShardView
 

@@ -18,6 +18,8 @@ import torch
 
 from zerostate import jsonstate
 from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle
+from zerostate.checkpoint.frozen import RANK_STATE_KEY as FROZEN_KEY
+from zerostate.checkpoint.frozen import adapter_attrs, plan_frozen
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import (
     check_stateful,
@@ -28,8 +30,6 @@ from zerostate.checkpoint.state import (
 )
 from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError
-from zerostate.frozen import RANK_STATE_KEY as FROZEN_KEY
-from zerostate.frozen import adapter_attrs, plan_frozen
 from zerostate.runtime.tp_checkpoint import saved_piece
 from zerostate.store import StepExistsError, TensorSpec
 from zerostate.store.mesh import stored_layout

@@ -41,6 +41,8 @@ from zerostate.checkpoint import (  # imported here, not on the first save or lo
     Checkpointer,
     SaveHandle,
 )
+from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
+from zerostate.checkpoint.pretrained import PretrainedReport, load_pretrained
 from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.coordinator import Coordinator
@@ -50,7 +52,6 @@ from zerostate.engine.guards import ModuleGuards
 from zerostate.engine.hooks import GradReadyHook, reduced_hook, weak_call
 from zerostate.engine.parts import StateParts
 from zerostate.engine.progress import ProgressLog
-from zerostate.engine_state import AppliedLoad, LoadPlan
 from zerostate.errors import EngineUsageError
 from zerostate.optim import (
     ShardedOptimizer,
@@ -58,7 +59,6 @@ from zerostate.optim import (
 )
 from zerostate.partition import TensorLayout, even_layout
 from zerostate.precision import LossScaler
-from zerostate.pretrained import PretrainedReport, load_pretrained
 from zerostate.runtime import mesh as meshes
 from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier
@@ -529,7 +529,8 @@ class Engine:
         Each rank reads only the byte ranges of the elements it holds. Tied aliases count
         as their parameter. ``strict=True`` raises one error listing missing, unexpected
         and mis-shaped names; ``strict=False`` loads what matches and returns the lists
-        (a :class:`~zerostate.pretrained.PretrainedReport`). Optimizer state is untouched.
+        (a :class:`~zerostate.checkpoint.pretrained.PretrainedReport`). Optimizer state is
+        untouched.
         """
         self._check_open("load_pretrained()")
         if self._tp is not None:

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from zerostate import adapt
+from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan, check_tensors, check_tying
 from zerostate.coordinator import Coordinator
 from zerostate.engine.build import first_names
-from zerostate.engine_state import AppliedLoad, LoadPlan, check_tensors, check_tying
 from zerostate.errors import ConfigError, CorruptCheckpointError, EngineUsageError
 from zerostate.optim import OptimizerLoad, ShardedOptimizer
 from zerostate.partition import TensorLayout
@@ -221,7 +221,7 @@ class StateParts:
     ) -> LoadPlan:
         """Check an engine-state document (and, given ``stored``, the step's tensors: name
         -> info with ``.shape``) against this engine and decode it; changes nothing (see
-        [Note: planned load] in zerostate.engine_state)."""
+        [Note: planned load] in zerostate.checkpoint.load_plan)."""
         check_document(state)
         check_tying(state, self.tied)
         scaler = copy.copy(self._scaler)
