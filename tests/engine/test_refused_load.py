@@ -320,7 +320,7 @@ def test_moments_the_engine_made_are_read_in_place_until_written(tmp_path, stage
 def test_every_state_tensor_the_engine_makes_at_construction_is_zero() -> None:
     # [Note: known zero moments]: the engine registers the per-element state it creates as
     # zero, so a failed load zeroes it again; a state created otherwise would be lost.
-    from zerostate import optim
+    from zerostate.optim import supported as optim
 
     shard = torch.empty(7)
     options = [{}, {"amsgrad": True}, {"momentum": 0.9, "centered": True}]

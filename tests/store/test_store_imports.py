@@ -96,8 +96,6 @@ TRAINING = (
     "zerostate.activation",
     "zerostate.adapt",
     "zerostate.optim",
-    "zerostate.muon",
-    "zerostate.precision",
     "zerostate.checkpoint",
     "zerostate.integrations",
     "zerostate.models",

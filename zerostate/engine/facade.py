@@ -57,8 +57,8 @@ from zerostate.optim import (
     ShardedOptimizer,
     link_user_optimizers,
 )
+from zerostate.optim.precision import LossScaler
 from zerostate.partition import TensorLayout, even_layout
-from zerostate.precision import LossScaler
 from zerostate.runtime import mesh as meshes
 from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier
