@@ -164,7 +164,7 @@ def test_fsdp_guide_2d_section_uses_the_real_api() -> None:
 def test_small_tensor_rule_is_documented_where_partitions_are() -> None:
     """``reshard``'s default keeps tensors under ``--min-shard-numel`` whole on one rank;
     the README's and the format's descriptions of partitions say so, with the real default."""
-    from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL, plan_layouts
+    from zerostate.layout.partition import DEFAULT_MIN_SHARD_NUMEL, plan_layouts
 
     readme = _words(_section("README.md", "## Checkpoints"))
     assert f"`--min-shard-numel` elements (default {DEFAULT_MIN_SHARD_NUMEL:,}) is stored " \

@@ -1,8 +1,8 @@
 """Tensor-parallel x data-parallel layouts and the copy planner, on real data (one process).
 
-The reference split below is written independently of zerostate.layout: torch.split into fused
-sub-tensors, torch.chunk along the shard dim (what DTensor's Shard does), concatenation, then
-partition.TensorLayout for the data-parallel cut."""
+The reference split below is written independently of zerostate.layout.mesh_layout:
+torch.split into fused sub-tensors, torch.chunk along the shard dim (what DTensor's Shard
+does), concatenation, then partition.TensorLayout for the data-parallel cut."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 from zerostate.errors import CorruptCheckpointError, LayoutError
-from zerostate.layout import (
+from zerostate.layout.mesh_layout import (
     LAYOUT_VERSION,
     MeshLayout,
     StoredPiece,
@@ -30,8 +30,15 @@ from zerostate.layout import (
     to_json,
     tp_chunk,
 )
-from zerostate.layout_plan import Copy, _plan_bands, _plan_general, plan, plan_logical, plan_range
-from zerostate.partition import TensorLayout, chunk_numel_for, even_layout
+from zerostate.layout.partition import TensorLayout, chunk_numel_for, even_layout
+from zerostate.layout.planner import (
+    Copy,
+    _plan_bands,
+    _plan_general,
+    plan,
+    plan_logical,
+    plan_range,
+)
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

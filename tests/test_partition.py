@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from zerostate.partition import (
+from zerostate.layout.partition import (
     TensorLayout,
     chunk_reads,
     even_layout,

@@ -1,7 +1,7 @@
 """Per-parameter sharded state and the rank-segmented layout of a group of parameters.
 
 [Note: bucket layout]
-Every parameter is split evenly (:func:`zerostate.partition.even_layout`): parameter ``i``
+Every parameter is split evenly (:func:`zerostate.layout.partition.even_layout`): parameter ``i``
 of ``numel_i`` elements is padded to ``c_i * world_size`` with ``c_i = ceil(numel_i /
 world_size)``, and rank ``r`` owns ``[r * c_i, (r + 1) * c_i)`` clipped to ``numel_i``.
 A group of parameters (a bucket, a stage-3 unit) is one buffer of ``world_size`` equal
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerostate.layout import MeshLayout
-from zerostate.partition import TensorLayout
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.layout.partition import TensorLayout
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def test_complex_buffers_round_trip_bit_for_bit(tmp_path: Path) -> None:
 
 
 def test_unstorable_dtypes_name_the_tensor() -> None:
-    from zerostate.partition import even_layout
+    from zerostate.layout.partition import even_layout
     from zerostate.store.writer import TensorSpec
 
     with pytest.raises(ConfigError, match=r"tensor 'buffers/c' has dtype torch.complex64.*"):

@@ -23,7 +23,7 @@ from zerostate.comm import (
     fp16_predivide_factor,
     reduce_scatter_grads,
 )
-from zerostate.partition import even_layout
+from zerostate.layout.partition import even_layout
 from zerostate.runtime.group import GroupPolicy
 from zerostate.sharded import FlatLayout, ShardedParam
 

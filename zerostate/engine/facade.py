@@ -53,12 +53,12 @@ from zerostate.engine.hooks import GradReadyHook, reduced_hook, weak_call
 from zerostate.engine.parts import StateParts
 from zerostate.engine.progress import ProgressLog
 from zerostate.errors import EngineUsageError
+from zerostate.layout.partition import TensorLayout, even_layout
 from zerostate.optim import (
     ShardedOptimizer,
     link_user_optimizers,
 )
 from zerostate.optim.precision import LossScaler
-from zerostate.partition import TensorLayout, even_layout
 from zerostate.runtime import mesh as meshes
 from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier

@@ -21,9 +21,9 @@ from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan, check_tensors,
 from zerostate.coordinator import Coordinator
 from zerostate.engine.build import first_names
 from zerostate.errors import ConfigError, CorruptCheckpointError, EngineUsageError
+from zerostate.layout.partition import TensorLayout
 from zerostate.optim import OptimizerLoad, ShardedOptimizer
 from zerostate.optim.precision import LossScaler
-from zerostate.partition import TensorLayout
 from zerostate.runtime import tp_checkpoint
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from zerostate import collectives
-from zerostate.layout import MeshLayout
-from zerostate.partition import TensorLayout
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.layout.partition import TensorLayout
 from zerostate.sharded import ShardView
 
 

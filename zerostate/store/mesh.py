@@ -2,10 +2,10 @@
 
 [Note: mesh tensors]
 Format 3 is format 2 (rows, slots, checksums, the commit protocol: ``docs/format.md``) plus
-one optional entry per tensor, ``"mesh"``: the tensor's :class:`~zerostate.layout.MeshLayout`
-as JSON ([Note: tensor-parallel layouts] in ``zerostate.layout``). A tensor with a mesh entry
-is the *logical* tensor of the mesh entry's ``shape``, stored as a flat *stored array* of
-format-2 rows:
+one optional entry per tensor, ``"mesh"``: the tensor's
+:class:`~zerostate.layout.mesh_layout.MeshLayout` as JSON ([Note: tensor-parallel layouts] in
+``zerostate.layout.mesh_layout``). A tensor with a mesh entry is the *logical* tensor of the
+mesh entry's ``shape``, stored as a flat *stored array* of format-2 rows:
 
 * its pieces ``(t, d)`` (tp shard ``t``, data-parallel rank ``d``) are numbered
   ``t * dp_shard + d``, ``P = num_tp_pieces * dp_shard`` of them, and piece ``i`` is chunk
@@ -20,11 +20,11 @@ format-2 rows:
 A writer at tp ``M`` x dp ``K`` is a step of world size ``M * K``; rank ``t * K + d`` writes
 piece ``(t, d)`` of every tensor (a tensor replicated across tp: rank ``d`` writes piece
 ``(0, d)``, tp ranks above 0 write nothing of it). Readers check the mesh entry
-(:func:`zerostate.layout.from_json`) and that the stored layout is exactly the one above
+(:func:`zerostate.layout.mesh_layout.from_json`) and that the stored layout is exactly the one above
 before anything is read, and show the logical tensor: a read of logical elements
-``[start, stop)`` is planned by :func:`zerostate.layout_plan.plan_logical`, and a range of
+``[start, stop)`` is planned by :func:`zerostate.layout.planner.plan_logical`, and a range of
 a tp shard of another layout (an engine view on a mesh, a target piece of ``reshard``:
-``read_layout_many``) by :func:`zerostate.layout_plan.plan_range`; either reads, per source
+``read_layout_many``) by :func:`zerostate.layout.planner.plan_range`; either reads, per source
 piece, the one stored span its copies touch (:func:`stored_start` places the piece), so
 memory follows the request, never the whole tensor. A stored layout that is not exactly
 the one above (pieces that would overlap in its chunks, stored elements outside the tensor,
@@ -39,8 +39,8 @@ import functools
 from typing import Any
 
 from zerostate.errors import LayoutError
-from zerostate.layout import MeshLayout, PieceId
-from zerostate.partition import TensorLayout
+from zerostate.layout.mesh_layout import MeshLayout, PieceId
+from zerostate.layout.partition import TensorLayout
 
 #: The format version of a step holding any mesh tensor.
 VERSION = 3

@@ -26,10 +26,10 @@ import crc32c
 import numpy as np
 import torch
 
-from zerostate import layout_plan
 from zerostate.errors import ConfigError, CorruptCheckpointError
-from zerostate.layout import MeshLayout
-from zerostate.partition import chunk_reads, even_layout
+from zerostate.layout import planner as layout_plan
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.layout.partition import chunk_reads, even_layout
 from zerostate.store import format as fmt
 from zerostate.store import format2
 from zerostate.store import mesh as mesh_mod
@@ -206,7 +206,7 @@ class StepReaderV2(StepBase):
         return entry[0] if entry is not None else None
 
     def _read_many_meshes(self, requests: list[tuple]) -> list[torch.Tensor]:
-        """Logical reads of mesh tensors, planned by :func:`zerostate.layout_plan.plan_logical`;
+        """Logical reads of mesh tensors, planned by :func:`zerostate.layout.planner.plan_logical`;
         other requests are read as usual."""
         outs: list[Any] = [None] * len(requests)
         plain: list[int] = []
@@ -227,7 +227,7 @@ class StepReaderV2(StepBase):
 
     def read_layout_many(self, requests: Iterable[tuple]) -> None:
         """:meth:`StepBase.read_layout_many`: a mesh tensor's range of a target tp shard is
-        planned at once by :func:`zerostate.layout_plan.plan_range` (row bands: a copy per
+        planned at once by :func:`zerostate.layout.planner.plan_range` (row bands: a copy per
         run of rows, where logical segments would be one read per row); other tensors are
         read by their logical segments."""
         planned: list[tuple[str, list, torch.Tensor]] = []
@@ -865,7 +865,7 @@ def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _scatter(out: torch.Tensor, data: torch.Tensor, lo: int, copies: list) -> None:
-    """Apply planned copies (:class:`zerostate.layout_plan.Copy`) from ``data``, a source
+    """Apply planned copies (:class:`zerostate.layout.planner.Copy`) from ``data``, a source
     piece's elements from offset ``lo`` on, to ``out``: one copy, strided over its rows.
 
     [Note: mesh scatter]
@@ -874,7 +874,7 @@ def _scatter(out: torch.Tensor, data: torch.Tensor, lo: int, copies: list) -> No
     512-row weight read by 4 ranks from 2 tp shards is 128 segments of 688 elements per
     shard and rank. Each piece was read into a scratch tensor (first touches, then a second
     copy) and cut with one ``copy_`` per segment, about 9,000 per rank on the report's
-    layout row. Now the planner's row bands ([Note: row bands] in zerostate.layout_plan)
+    layout row. Now the planner's row bands ([Note: row bands] in zerostate.layout.planner)
     give one copy per run of rows at one stride, done as one strided copy, and a piece read
     that fills one range of ``out`` is read there directly. The layout row (296 MiB, 4 ranks,
     cold cache), the same command run back to back before and after strided copies: 0.536 s

@@ -38,8 +38,8 @@ from zerostate.errors import (
     DistributedMismatchError,
     LayoutError,
 )
-from zerostate.layout import MeshLayout
-from zerostate.partition import TensorLayout
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.layout.partition import TensorLayout
 from zerostate.store import format as fmt
 from zerostate.store import format2
 from zerostate.store import mesh as mesh_mod
@@ -83,7 +83,8 @@ class TensorSpec:
         fmt.dtype_name(self.dtype, self.name)
         if not isinstance(self.layout, TensorLayout):
             raise ConfigError(
-                f"{self.name}: layout must be a TensorLayout (see zerostate.partition.plan_layouts)"
+                f"{self.name}: layout must be a TensorLayout "
+                "(see zerostate.layout.partition.plan_layouts)"
             )
         if self.mesh is not None:
             if not isinstance(self.mesh, MeshLayout) or tuple(self.mesh.shape) != shape:

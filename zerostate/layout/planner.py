@@ -19,7 +19,7 @@ element exactly once:
 
 * **same tp cut** (only the data-parallel cut differs): tp shard ``t`` is the same local
   tensor on both sides, so a range of it is 1-D range intersection with the source's chunk
-  grid of shard ``t`` (:func:`zerostate.partition.chunk_reads`), a few copies per range;
+  grid of shard ``t`` (:func:`zerostate.layout.partition.chunk_reads`), a few copies per range;
 * **many rows** (the rows before the inner shard dim outnumber the dp pieces): see
   [Note: row bands];
 * **general** (few rows): every source segment sorted by global start, and each target
@@ -53,8 +53,8 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from zerostate.errors import LayoutError
-from zerostate.layout import MeshLayout, PieceId
-from zerostate.partition import chunk_reads
+from zerostate.layout.mesh_layout import MeshLayout, PieceId
+from zerostate.layout.partition import chunk_reads
 
 
 class Copy(NamedTuple):

@@ -2,7 +2,7 @@
 
 Pure functions and frozen dataclasses; no ``torch.distributed`` and no I/O. The engine (what a
 rank of a device mesh holds), the store (what a piece on storage holds) and the resharding
-planner (:mod:`zerostate.layout_plan`) describe a tensor with :class:`MeshLayout` and agree on
+planner (:mod:`zerostate.layout.planner`) describe a tensor with :class:`MeshLayout` and agree on
 its pieces through :meth:`MeshLayout.segments`.
 
 [Note: tensor-parallel layouts]
@@ -18,7 +18,7 @@ A checkpoint holds each tensor as its *global* (logical) tensor of ``shape``, wr
   another degree. With ``tp_dim`` ``None`` the tensor is replicated across tensor-parallel
   ranks and there is a single tp piece, index 0, holding all of it.
 * **Data-parallel cut.** Each tp shard, flattened (C order), is cut across the ``dp_shard``
-  ranks by [Note: partition rule] (:mod:`zerostate.partition`): evenly, or with
+  ranks by [Note: partition rule] (:mod:`zerostate.layout.partition`): evenly, or with
   ``min_shard_numel`` and a per-shard ``first_owner``. ``dp_replicate`` replicas hold
   identical pieces, so they share piece ids.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerostate.errors import LayoutError
-from zerostate.partition import TensorLayout, ceil_div, chunk_numel_for, even_layout
+from zerostate.layout.partition import TensorLayout, ceil_div, chunk_numel_for, even_layout
 
 #: Version of the JSON a :class:`MeshLayout` is stored as; readers refuse any other.
 LAYOUT_VERSION = 1
