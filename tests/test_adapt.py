@@ -1,4 +1,4 @@
-"""zerostate.adapt without processes: canonical names, input casting, compile checks."""
+"""zerostate.runtime.adapt without processes: canonical names, input casting, compile checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from zerostate.adapt import (
+from zerostate.errors import ConfigError, StorageError
+from zerostate.runtime.adapt import (
     canonical_name,
     canonical_named,
     cast_inputs,
@@ -17,7 +18,6 @@ from zerostate.adapt import (
     named_parameters,
     replicated_state,
 )
-from zerostate.errors import ConfigError, StorageError
 from zerostate.store import save_tensors
 
 Pair = namedtuple("Pair", "a b")

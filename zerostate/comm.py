@@ -48,7 +48,7 @@ import torch
 
 from zerostate import collectives
 from zerostate.collectives import CommStats, Handle
-from zerostate.sharded import FlatLayout
+from zerostate.runtime.sharded import FlatLayout
 
 #: Launched collectives kept pending before the oldest is completed (bounds buffer memory).
 MAX_IN_FLIGHT = 2

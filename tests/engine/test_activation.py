@@ -1,5 +1,5 @@
 """Activation checkpointing (``activation_checkpointing=``), [Note: activation checkpoints]
-in zerostate.activation.
+in zerostate.runtime.activation.
 
 On one process: every mode trains a transformers Llama (attention dropout on) exactly as
 the engine without checkpointing does, a block with tensor and non-tensor keyword
@@ -7,7 +7,7 @@ arguments and a tuple-and-dict output gets the same gradients, and the errors. O
 ranks at (dp_shard 2 x tp 2), stages 1-3: ZeRO-R Pa keeps half the activation-checkpoint bytes per
 rank, Pa+cpu keeps them in host memory, and losses and weights equal the uncheckpointed
 engine's. Bytes are counted by torch's saved-tensor pack hooks
-(:func:`zerostate.activation.measure_saved`): what autograd holds between forward and
+(:func:`zerostate.runtime.activation.measure_saved`): what autograd holds between forward and
 backward, each storage once.
 """
 
@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from world_of_one import world_of_one  # noqa: F401 - fixture
 
 import zerostate
-from zerostate.activation import measure_saved
 from zerostate.errors import ConfigError
+from zerostate.runtime.activation import measure_saved
 
 pytest.importorskip("transformers")
 

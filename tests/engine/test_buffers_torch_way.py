@@ -1,7 +1,7 @@
 """Buffers as torch treats them: non-persistent buffers are neither saved nor loaded,
 complex buffers are stored as their real pairs and read back bit for bit, and DTensor
 buffers (torchtitan's RoPE cache after ``parallelize_module``) pass ``sync_module_states``,
-save and load ([Note: buffers as torch treats them] in zerostate.adapt)."""
+save and load ([Note: buffers as torch treats them] in zerostate.runtime.adapt)."""
 
 from __future__ import annotations
 

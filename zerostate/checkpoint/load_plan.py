@@ -82,7 +82,7 @@ def check_tensors(
     otherwise), another shape always refused."""
     missing = [name for name in needed if name not in stored]
     if not strict:
-        from zerostate.adapt import report_skipped
+        from zerostate.runtime.adapt import report_skipped
 
         report_skipped(where, step, list(needed), stored)
     if missing and strict:

@@ -25,8 +25,8 @@ from torch import nn
 if TYPE_CHECKING:
     from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
     from zerostate.coordinator import Coordinator
+    from zerostate.runtime.sharded import ShardView
     from zerostate.runtime.tp_checkpoint import CheckpointWorld
-    from zerostate.sharded import ShardView
 
 __all__ = ["EngineParts"]
 

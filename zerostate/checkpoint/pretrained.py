@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from zerostate import adapt
 from zerostate.errors import DistributedMismatchError, PretrainedMismatchError, ZerostateError
+from zerostate.runtime import adapt
 from zerostate.safetensors_io import SafetensorsSource, TensorEntry
 
 if TYPE_CHECKING:

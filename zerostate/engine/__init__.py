@@ -14,6 +14,6 @@ the progress log.
 from zerostate.engine.config import EngineConfig
 from zerostate.engine.facade import Engine
 from zerostate.errors import EngineUsageError
-from zerostate.sharded import ShardView
+from zerostate.runtime.sharded import ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]

@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from zerostate import activation, adapt, collectives
+from zerostate import collectives
 from zerostate.engine.config import EngineConfig, check_setting_names
 from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import describe, resolve_user_optimizers, whole_matrix_names
+from zerostate.runtime import activation, adapt, tp, tp_checkpoint, tp_plan
 from zerostate.runtime import mesh as meshes
-from zerostate.runtime import tp, tp_checkpoint, tp_plan
 
 #: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
 #: user optimizer's business.
@@ -249,7 +249,7 @@ def sync_module_states(model: nn.Module, local: list[torch.Tensor], mesh: Any, g
     buffers to every rank, over the mesh when there is one."""
     with torch.no_grad():
         # A DTensor buffer goes as its local tensor ([Note: buffers as torch treats them]
-        # in zerostate.adapt).
+        # in zerostate.runtime.adapt).
         tp_mesh = mesh.tp.mesh if mesh is not None and mesh.tp is not None else None
         buffers = [adapt.buffer_to_sync(b, tp_mesh) for _, b in adapt.replicated_state(model)]
         states = [p.data for p in local] + [b for b in buffers if b is not None]
@@ -263,7 +263,7 @@ def sync_module_states(model: nn.Module, local: list[torch.Tensor], mesh: Any, g
 def checkpointed_blocks(
     model: nn.Module, config: EngineConfig, tensor_parallel: Any, device: torch.device
 ) -> activation.ActivationCheckpointing | None:
-    """Checkpointed blocks ([Note: activation checkpoints] in zerostate.activation); None
+    """Checkpointed blocks ([Note: activation checkpoints] in zerostate.runtime.activation); None
     without ``activation_checkpointing``."""
     if config.activation_checkpointing is None:
         return None

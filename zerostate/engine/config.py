@@ -373,7 +373,7 @@ def _check_offload(config: EngineConfig) -> None:
 
 
 def _check_activation(config: EngineConfig) -> None:
-    from zerostate.activation import MODES, check_which
+    from zerostate.runtime.activation import MODES, check_which
 
     mode = config.activation_checkpointing
     if mode is not None and mode not in MODES:

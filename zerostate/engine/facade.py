@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerostate import adapt, collectives
+from zerostate import collectives
 from zerostate.checkpoint import (  # imported here, not on the first save or load
     Checkpointer,
     SaveHandle,
@@ -59,11 +59,11 @@ from zerostate.optim import (
     link_user_optimizers,
 )
 from zerostate.optim.precision import LossScaler
+from zerostate.runtime import adapt, tp
 from zerostate.runtime import mesh as meshes
-from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime
-from zerostate.sharded import ShardedParam, ShardView
+from zerostate.runtime.sharded import ShardedParam, ShardView
 
 __all__ = ["Engine", "EngineConfig", "EngineUsageError", "ShardView"]
 
@@ -181,7 +181,7 @@ class Engine:
         owner = collectives.group_info(None) if collectives.is_initialized() else (0, 1)
         self._optimizer.guard_state_dicts(None if replicated else owner)
         build.mark_wrapped(model, self, self.stage)
-        #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.activation).
+        #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.runtime.activation).
         self._activation = build.checkpointed_blocks(model, config, self._tp, device)
         #: Who saves a checkpoint together under tensor parallelism ([Note: tensor-parallel
         #: checkpoints] in zerostate.runtime.tp_checkpoint); None without a tp dimension.

@@ -26,11 +26,11 @@ from zerostate.engine.build import WRAPPED_BY, first_names
 from zerostate.errors import ConfigError, EngineUsageError
 from zerostate.runtime import hollow, tp
 from zerostate.runtime.runtime import GroupRuntime, StageUsageError, holds_no_values
-from zerostate.sharded import ShardedParam
+from zerostate.runtime.sharded import ShardedParam
 
 if TYPE_CHECKING:
-    from zerostate.activation import ActivationCheckpointing
     from zerostate.engine.parts import StateParts
+    from zerostate.runtime.activation import ActivationCheckpointing
 
 log = logging.getLogger("zerostate.engine")
 

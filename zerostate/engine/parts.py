@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from zerostate import adapt
 from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan, check_tensors, check_tying
 from zerostate.coordinator import Coordinator
 from zerostate.engine.build import first_names
@@ -24,10 +23,10 @@ from zerostate.errors import ConfigError, CorruptCheckpointError, EngineUsageErr
 from zerostate.layout.partition import TensorLayout
 from zerostate.optim import OptimizerLoad, ShardedOptimizer
 from zerostate.optim.precision import LossScaler
-from zerostate.runtime import tp_checkpoint
+from zerostate.runtime import adapt, tp_checkpoint
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
-from zerostate.sharded import ShardedParam, ShardView
+from zerostate.runtime.sharded import ShardedParam, ShardView
 from zerostate.store.state_doc import ENGINE_STATE_VERSION, check_document
 
 if TYPE_CHECKING:
@@ -66,7 +65,7 @@ class StateParts:
         state = adapt.replicated_state(module)  # buffers + frozen integer parameters
         self._buffer_names = [n for n, _ in state]
         #: Non-persistent buffers: neither saved nor loaded ([Note: buffers as torch
-        #: treats them] in zerostate.adapt).
+        #: treats them] in zerostate.runtime.adapt).
         self.non_persistent = adapt.non_persistent_buffers(module)
         skip = set(self.non_persistent)
         self._saved_buffer_names = [

@@ -12,8 +12,8 @@ from zerostate.optim import sum_of_squares
 from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime
+from zerostate.runtime.sharded import ShardedParam
 from zerostate.runtime.tp import TensorParallel
-from zerostate.sharded import ShardedParam
 
 
 def step_grads(

@@ -12,8 +12,8 @@ from zerostate.optim import ShardedOptimizer
 from zerostate.runtime import mesh as meshes
 from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime
+from zerostate.runtime.sharded import ShardedParam
 from zerostate.runtime.tp import TensorParallel
-from zerostate.sharded import ShardedParam
 
 
 def memory_stats(

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from zerostate.errors import ConfigError
-from zerostate.sharded import ShardedParam
+from zerostate.runtime.sharded import ShardedParam
 
 
 class PartitionedMuon(Optimizer):

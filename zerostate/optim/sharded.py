@@ -26,7 +26,7 @@ from zerostate.optim.supported import (
     _scalar_dtype,
     _zeros,
 )
-from zerostate.sharded import ShardedParam
+from zerostate.runtime.sharded import ShardedParam
 from zerostate.store.state_doc import OPTIMIZER_STATE_VERSION
 
 #: The key of an optimizer state dict that says whose state it holds ([Note: whose

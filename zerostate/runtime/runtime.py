@@ -63,8 +63,8 @@ from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
 from zerostate.runtime.grouping import assign_units, select_units, split_into_buckets
 from zerostate.runtime.init import materialise
 from zerostate.runtime.schedule import GatherSchedule, GroupMismatchError
+from zerostate.runtime.sharded import FlatLayout, ShardedParam
 from zerostate.runtime.tp import local_tensor, model_param
-from zerostate.sharded import FlatLayout, ShardedParam
 
 __all__ = ["GroupMismatchError", "GroupRuntime", "holds_no_values"]
 

@@ -32,7 +32,7 @@ import torch
 from zerostate import collectives
 from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.layout.partition import TensorLayout
-from zerostate.sharded import ShardView
+from zerostate.runtime.sharded import ShardView
 
 
 @dataclass(frozen=True, slots=True)
