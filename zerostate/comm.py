@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
-from zerostate.collectives import CommStats, Handle
+from zerostate.dist import collectives
+from zerostate.dist.collectives import CommStats, Handle
 from zerostate.runtime.sharded import FlatLayout
 
 #: Launched collectives kept pending before the oldest is completed (bounds buffer memory).

@@ -2,7 +2,7 @@
 
 A save, a load or ``load_pretrained`` is collective, and each of its phases that can fail
 on one rank must end with every rank knowing whether any rank failed ([Note: failing
-together] in zerostate.checkpoint). The calls that do it live in :mod:`zerostate.collectives`
+together] in zerostate.checkpoint). The calls that do it live in :mod:`zerostate.dist.collectives`
 as free functions taking the process group, rank, world size and device every time; a
 :class:`Coordinator` binds them once, so the checkpoint sessions (and any other component)
 speak of the group in one line per phase.
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
-from zerostate.collectives import CommStats
+from zerostate.dist import collectives
+from zerostate.dist.collectives import CommStats
 from zerostate.errors import ZerostateError
 
 
@@ -63,7 +63,7 @@ class Coordinator:
 
     def arrive(self, what: str) -> None:
         """Wait until every rank entered call ``what`` ([Note: arrival deadline] in
-        zerostate.collectives)."""
+        zerostate.dist.collectives)."""
         collectives.arrive(
             what,
             group=self.group,

@@ -90,7 +90,7 @@ TRAINING = (
     "zerostate.config",
     "zerostate.runtime",
     "zerostate.comm",
-    "zerostate.collectives",
+    "zerostate.dist.collectives",
     "zerostate.coordinator",
     "zerostate.optim",
     "zerostate.checkpoint",

@@ -4,7 +4,7 @@ The engine exposes its state as :class:`~zerostate.engine.ShardView` objects (on
 logical tensor: fp32 master weights, Adam moments, buffers); this module moves them to and
 from the store. It owns no training state and calls no collective except one all-reduce
 and one barrier per save and one barrier per load, on the engine's process group, through
-:mod:`zerostate.collectives`.
+:mod:`zerostate.dist.collectives`.
 
 [Note: async save]
 ``save(..., blocking=False)`` splits a save in two. On the caller's thread it copies this

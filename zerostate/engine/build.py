@@ -3,7 +3,7 @@ and the verdict they agree on.
 
 :func:`check_setup` builds the :class:`~zerostate.engine.config.EngineConfig`, checks the
 model, the optimizer, the device mesh and the tp plan, and agrees over the ranks on the
-verdict and on the model's aspects ([Note: arrival deadline] in zerostate.collectives), so
+verdict and on the model's aspects ([Note: arrival deadline] in zerostate.dist.collectives), so
 that every rank raises the same error, or none does, before the engine touches the model.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from zerostate import collectives
+from zerostate.dist import collectives
 from zerostate.engine.config import EngineConfig, check_setting_names
 from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import describe, resolve_user_optimizers, whole_matrix_names

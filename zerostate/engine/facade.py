@@ -36,16 +36,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerostate import collectives
 from zerostate.checkpoint import (  # imported here, not on the first save or load
     Checkpointer,
     SaveHandle,
 )
 from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
 from zerostate.checkpoint.pretrained import PretrainedReport, load_pretrained
-from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
 from zerostate.coordinator import Coordinator
+from zerostate.dist import collectives
+from zerostate.dist.collectives import CommStats
 from zerostate.engine import build, pipeline, stats
 from zerostate.engine.config import EngineConfig
 from zerostate.engine.guards import ModuleGuards
@@ -264,7 +264,7 @@ class Engine:
     forward = __call__
 
     def _arrive(self, what: str) -> None:
-        """See [Note: arrival deadline] in zerostate.collectives."""
+        """See [Note: arrival deadline] in zerostate.dist.collectives."""
         self.coordinator.arrive(what)
 
     @property
@@ -677,7 +677,7 @@ class Engine:
 
     def comm_stats(self, dim: str | None = None) -> dict[str, dict[str, int]]:
         """Communication of the last completed optimizer step, per collective kind and in
-        total ([Note: comm accounting] in zerostate.collectives); with a mesh, ``dim=``
+        total ([Note: comm accounting] in zerostate.dist.collectives); with a mesh, ``dim=``
         (``"dp_shard"``, ``"dp_replicate"``, ``"tp"``) gives one dimension's part and the
         default adds them up (see :func:`zerostate.engine.stats.comm_stats`)."""
         return stats.comm_stats(self._stats, self._ctx, self._tp, dim)

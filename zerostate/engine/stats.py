@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from zerostate.collectives import CommStats
 from zerostate.comm import BufferPool, CommContext
+from zerostate.dist.collectives import CommStats
 from zerostate.errors import ConfigError
 from zerostate.optim import ShardedOptimizer
 from zerostate.runtime import mesh as meshes
@@ -88,7 +88,7 @@ def comm_stats(
     counters: CommStats, ctx: CommContext, tensor_parallel: TensorParallel | None, dim: str | None
 ) -> dict[str, dict[str, int]]:
     """Communication of the last completed optimizer step, per collective kind and in
-    total, counted as in [Note: comm accounting] (zerostate.collectives).
+    total, counted as in [Note: comm accounting] (zerostate.dist.collectives).
 
     With a mesh, ``dim=`` gives one dimension's part and the default adds them up:
     ``"dp_shard"`` (ZeRO's gathers and reduce-scatters, of each rank's local tp shards

@@ -5,7 +5,7 @@ Muon's step for a matrix ``W`` with gradient ``G`` and momentum buffer ``B``:
 1. ``B = lerp(B, G, 1 - momentum)``; ``U = lerp(G, B, momentum)`` (nesterov) or ``U = B``
    - element-wise, so it runs on this rank's shard of ``G`` and ``B``;
 2. ``O = newton_schulz(U)`` - needs the whole matrix: the shards of ``U`` are all-gathered
-   (one collective for all of a step's matrices, through :mod:`zerostate.collectives`) and
+   (one collective for all of a step's matrices, through :mod:`zerostate.dist.collectives`) and
    every rank computes the same ``O`` with torch's own iteration;
 3. ``W = W * (1 - lr * weight_decay) - adjusted_lr * O`` - element-wise again, applied to
    the rank's own slice of ``O``.

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from zerostate import collectives
+from zerostate.dist import collectives
 from zerostate.errors import ConfigError
 
 logger = logging.getLogger(__name__)

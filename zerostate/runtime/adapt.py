@@ -127,7 +127,7 @@ def buffer_to_sync(buf: torch.Tensor, tp_mesh: Any = None) -> torch.Tensor | Non
     buffer ``buf``: ``buf`` itself; a DTensor's local tensor when its data-parallel peers
     hold the same piece (all placements ``Replicate()``, or on the engine's ``tp`` mesh
     ``tp_mesh``); None, left alone, for a DTensor sharded over another mesh."""
-    from zerostate import collectives
+    from zerostate.dist import collectives
 
     if not collectives.is_dtensor(buf):
         return buf
@@ -155,7 +155,7 @@ def stored_buffer(name: str, buf: torch.Tensor, tp_mesh: Any = None) -> StoredBu
     """How persistent buffer ``name`` is stored; ``tp_mesh``: the engine's ``tp`` mesh,
     the one mesh a sharded DTensor buffer may be on. Raises ``ConfigError`` naming the
     buffer for what cannot be stored."""
-    from zerostate import collectives
+    from zerostate.dist import collectives
     from zerostate.store import format as fmt
 
     local, tp_dim = buf, None

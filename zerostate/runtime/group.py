@@ -55,7 +55,6 @@ from dataclasses import dataclass
 
 import torch
 
-from zerostate import collectives
 from zerostate.comm import (
     CommContext,
     InFlight,
@@ -67,6 +66,7 @@ from zerostate.comm import (
     reduce_scatter_in_place,
     start_all_gather,
 )
+from zerostate.dist import collectives
 from zerostate.runtime import hollow
 from zerostate.runtime.grad_stand_in import GradStandIn
 from zerostate.runtime.sharded import FlatLayout, ShardedParam

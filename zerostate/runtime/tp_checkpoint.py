@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
+from zerostate.dist import collectives
 from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.layout.partition import TensorLayout
 from zerostate.runtime.sharded import ShardView
