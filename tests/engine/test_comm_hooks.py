@@ -1,4 +1,4 @@
-"""The collective patterns at one rank ([Note: single rank] in zerostate.comm) and the
+"""The collective patterns at one rank ([Note: single rank] in zerostate.dist.comm) and the
 completion hooks of pending reduces ([Note: completion hooks])."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch.distributed as dist
 from common import engine_steps, make_engine, make_model
 from helpers_dist import run_distributed
 
-from zerostate.comm import InFlight, PendingOp
 from zerostate.dist.collectives import Handle
+from zerostate.dist.comm import InFlight, PendingOp
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks wrap
 # torch.distributed's collectives to measure them and keep the wrappers. Each call forks new

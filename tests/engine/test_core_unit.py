@@ -14,7 +14,8 @@ import torch
 from common import batch, compare, local, make_engine, make_model, reference_run
 from simgroup import SimGroup, run_sim
 
-from zerostate.comm import (
+from zerostate.dist.collectives import CommStats
+from zerostate.dist.comm import (
     BufferPool,
     CommContext,
     InFlight,
@@ -22,7 +23,6 @@ from zerostate.comm import (
     fp16_predivide_factor,
     reduce_scatter_grads,
 )
-from zerostate.dist.collectives import CommStats
 from zerostate.layout.partition import even_layout
 from zerostate.runtime.group import GroupPolicy
 from zerostate.runtime.sharded import FlatLayout, ShardedParam

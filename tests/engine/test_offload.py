@@ -244,7 +244,7 @@ def _copy_timing_worker(rank: int, world_size: int) -> dict:
 def test_gradient_copies_start_while_backward_runs() -> None:
     """Each group's reduced gradients leave for the host from its reduce's completion hook,
     once per optimizer step (on the accumulation boundary), most of them inside backward."""
-    from zerostate.comm import MAX_IN_FLIGHT
+    from zerostate.dist.comm import MAX_IN_FLIGHT
 
     out = run_distributed(_copy_timing_worker, 2, timeout=300)
     for rank_out in out:

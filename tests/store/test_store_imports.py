@@ -89,7 +89,7 @@ TRAINING = (
     "zerostate.engine",
     "zerostate.config",
     "zerostate.runtime",
-    "zerostate.comm",
+    "zerostate.dist.comm",
     "zerostate.dist.collectives",
     "zerostate.coordinator",
     "zerostate.optim",

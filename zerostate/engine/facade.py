@@ -2,7 +2,7 @@
 
 State lives elsewhere (``ShardedParam`` per parameter; the parameter groups of
 :mod:`zerostate.runtime`, which own buckets or stage-3 units and do all communication
-through :mod:`zerostate.comm`); this module only orchestrates and never looks at the
+through :mod:`zerostate.dist.comm`); this module only orchestrates and never looks at the
 stage beyond handing it to the runtime.
 
 One optimizer step (``K = grad_accum_steps``):
@@ -42,10 +42,10 @@ from zerostate.checkpoint import (  # imported here, not on the first save or lo
 )
 from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
 from zerostate.checkpoint.pretrained import PretrainedReport, load_pretrained
-from zerostate.comm import BufferPool, CommContext
 from zerostate.coordinator import Coordinator
 from zerostate.dist import collectives
 from zerostate.dist.collectives import CommStats
+from zerostate.dist.comm import BufferPool, CommContext
 from zerostate.engine import build, pipeline, stats
 from zerostate.engine.config import EngineConfig
 from zerostate.engine.guards import ModuleGuards

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from zerostate.comm import CommContext
+from zerostate.dist.comm import CommContext
 from zerostate.optim import sum_of_squares
 from zerostate.runtime import tp
 from zerostate.runtime.offload import HostTier

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from zerostate.comm import BufferPool, CommContext
 from zerostate.dist.collectives import CommStats
+from zerostate.dist.comm import BufferPool, CommContext
 from zerostate.errors import ConfigError
 from zerostate.optim import ShardedOptimizer
 from zerostate.runtime import mesh as meshes

@@ -55,7 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerostate.comm import (
+from zerostate.dist import collectives
+from zerostate.dist.comm import (
     CommContext,
     InFlight,
     PendingOp,
@@ -66,7 +67,6 @@ from zerostate.comm import (
     reduce_scatter_in_place,
     start_all_gather,
 )
-from zerostate.dist import collectives
 from zerostate.runtime import hollow
 from zerostate.runtime.grad_stand_in import GradStandIn
 from zerostate.runtime.sharded import FlatLayout, ShardedParam
