@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = [
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "zerostate/engine").glob("*.py")),
-    "zerostate/coordinator.py",
+    "zerostate/dist/coordinator.py",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "zerostate/checkpoint").glob("*.py")),
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "zerostate/integrations").glob("*.py")),
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cli").glob("*.py")),

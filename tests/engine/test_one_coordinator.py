@@ -10,7 +10,7 @@ from common import batch, make_engine, make_model
 from safetensors.torch import save_file
 from world_of_one import world_of_one  # noqa: F401 - fixture
 
-from zerostate.coordinator import Coordinator
+from zerostate.dist.coordinator import Coordinator
 
 
 def _step(engine, step: int) -> None:

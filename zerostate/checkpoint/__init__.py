@@ -22,7 +22,7 @@ other code is still running in), so a failed background save is never silent.
 A save or load is collective, and one rank's failure must not leave the others waiting
 for a commit record or inside a collective until a timeout. So every phase that can fail
 on one rank ends in one small all-gather of an error flag (``Coordinator.agree``, in
-zerostate.coordinator): preparing a save
+zerostate.dist.coordinator): preparing a save
 (rank 0's checks of the target, each rank's previous async save), writing (blocking saves),
 committing, and reading a load. After it, either every rank goes on or every rank raises:
 the failing rank its own error, the others a CheckpointError naming the failed rank(s).

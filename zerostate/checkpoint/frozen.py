@@ -51,7 +51,7 @@ class SaveSource(Protocol):
 
     @property
     def coordinator(self) -> Any:
-        """The save's :class:`~zerostate.coordinator.Coordinator`."""
+        """The save's :class:`~zerostate.dist.coordinator.Coordinator`."""
 
 
 def plan_frozen(save: SaveSource, root: Any, step: int, latest: int | None) -> FrozenPlan:

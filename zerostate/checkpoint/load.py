@@ -24,7 +24,7 @@ from zerostate.checkpoint.state import (
     saved_rank_state,
     saved_rng,
 )
-from zerostate.coordinator import Coordinator
+from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError
 from zerostate.runtime.tp_checkpoint import layout_read
 

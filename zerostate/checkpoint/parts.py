@@ -24,7 +24,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
-    from zerostate.coordinator import Coordinator
+    from zerostate.dist.coordinator import Coordinator
     from zerostate.runtime.sharded import ShardView
     from zerostate.runtime.tp_checkpoint import CheckpointWorld
 
@@ -37,7 +37,7 @@ class EngineParts(Protocol):
     rank: int
     """This rank in the engine's (data-parallel shard) group."""
     coordinator: Coordinator
-    """The engine's control collectives ([Note: one coordinator] in zerostate.coordinator)."""
+    """The engine's control collectives ([Note: one coordinator] in zerostate.dist.coordinator)."""
     checkpoint_world: CheckpointWorld | None
     """Who saves together under tensor parallelism; None without a tp dimension."""
     module: nn.Module

@@ -119,7 +119,7 @@ def _plan(
 
 def _agree(parts: EngineParts, error: BaseException | None, what: str) -> None:
     """All ranks raise when any rank failed: the failing rank its own error, the others
-    a pointer to it (:meth:`~zerostate.coordinator.Coordinator.agree`)."""
+    a pointer to it (:meth:`~zerostate.dist.coordinator.Coordinator.agree`)."""
     coordinator = parts.coordinator.with_errors(DistributedMismatchError)
     coordinator.agree(error, f"load_pretrained ({what})")
 

@@ -28,7 +28,7 @@ from zerostate.checkpoint.state import (
     rng_state,
     transformers_config,
 )
-from zerostate.coordinator import Coordinator
+from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError
 from zerostate.runtime.tp_checkpoint import saved_piece
 from zerostate.store import StepExistsError, TensorSpec

@@ -42,10 +42,10 @@ from zerostate.checkpoint import (  # imported here, not on the first save or lo
 )
 from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
 from zerostate.checkpoint.pretrained import PretrainedReport, load_pretrained
-from zerostate.coordinator import Coordinator
 from zerostate.dist import collectives
 from zerostate.dist.collectives import CommStats
 from zerostate.dist.comm import BufferPool, CommContext
+from zerostate.dist.coordinator import Coordinator
 from zerostate.engine import build, pipeline, stats
 from zerostate.engine.config import EngineConfig
 from zerostate.engine.guards import ModuleGuards

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan, check_tensors, check_tying
-from zerostate.coordinator import Coordinator
+from zerostate.dist.coordinator import Coordinator
 from zerostate.engine.build import first_names
 from zerostate.errors import ConfigError, CorruptCheckpointError, EngineUsageError
 from zerostate.layout.partition import TensorLayout

@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
-from zerostate.coordinator import Coordinator
 from zerostate.dist import collectives
 from zerostate.dist.collectives import KINDS, CommStats
 from zerostate.dist.comm import Replicas
+from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError, CommitTimeoutError, ConfigError
 from zerostate.runtime.tp import TensorParallel
 

@@ -54,9 +54,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from zerostate.coordinator import Coordinator
 from zerostate.dist import collectives
 from zerostate.dist.comm import CommContext, InFlight, all_gather_groups
+from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import StageUsageError
 from zerostate.runtime.grad_stand_in import where_grads_are
 from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
