@@ -1,5 +1,5 @@
 """A checkpoint saved at (dp_shard 2 x tp 2) loads at every other layout and stage (issue 33,
-must-show 1; [Note: tensor-parallel checkpoints] in zerostate.runtime.tp_checkpoint).
+must-show 1; [Note: tensor-parallel checkpoints] in zerostate.checkpoint.tensor_parallel).
 
 The small transformers Llama with torch's tensor parallelism (test_mesh_tp) is trained at
 (dp_shard 2 x tp 2) at stages 1, 2 and 3, with the engine's AdamW and with torch's SGD with

@@ -1,5 +1,5 @@
 """Checkpoints of a tensor-parallel engine ([Note: tensor-parallel checkpoints] in
-zerostate.runtime.tp_checkpoint): a transformers Llama with torch's tensor parallelism on
+zerostate.checkpoint.tensor_parallel): a transformers Llama with torch's tensor parallelism on
 q/k/v/o/gate/up/down, saved at (dp_shard 2 x tp 2) in format 3, loaded back at the same
 layout (bit-identical state, identical next steps), at (tp 2), at (dp_shard 2) and (dp_shard
 4) without tensor parallelism and on one process (next steps within fp32 rounding of the

@@ -117,7 +117,7 @@ class Checkpointer:
             timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
         self.timeout_s = timeout_s
         # Under tensor parallelism the tp x dp_shard ranks of a replica save together
-        # ([Note: tensor-parallel checkpoints] in zerostate.runtime.tp_checkpoint).
+        # ([Note: tensor-parallel checkpoints] in zerostate.checkpoint.tensor_parallel).
         coordinator, world = parts.coordinator, parts.checkpoint_world
         if world is not None:
             coordinator = coordinator.over(world.group, world.rank, world.world_size)

@@ -24,9 +24,9 @@ from zerostate.checkpoint.state import (
     saved_rank_state,
     saved_rng,
 )
+from zerostate.checkpoint.tensor_parallel import layout_read
 from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError
-from zerostate.runtime.tp_checkpoint import layout_read
 
 if TYPE_CHECKING:
     from zerostate.checkpoint.parts import EngineParts

@@ -24,9 +24,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
+    from zerostate.checkpoint.tensor_parallel import CheckpointWorld
     from zerostate.dist.coordinator import Coordinator
     from zerostate.runtime.sharded import ShardView
-    from zerostate.runtime.tp_checkpoint import CheckpointWorld
 
 __all__ = ["EngineParts"]
 

@@ -28,9 +28,9 @@ from zerostate.checkpoint.state import (
     rng_state,
     transformers_config,
 )
+from zerostate.checkpoint.tensor_parallel import saved_piece
 from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError
-from zerostate.runtime.tp_checkpoint import saved_piece
 from zerostate.store import StepExistsError, TensorSpec
 from zerostate.store.mesh import stored_layout
 from zerostate.store.root import CheckpointRoot
@@ -50,7 +50,7 @@ Snapshot = Callable[[list[Piece], bool], tuple[dict[str, torch.Tensor], Callable
 def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
     """This rank's owned slice of every view (empty where it owns nothing); a view with a
     tp x dp layout gives its padded piece ([Note: tensor-parallel checkpoints] in
-    zerostate.runtime.tp_checkpoint)."""
+    zerostate.checkpoint.tensor_parallel)."""
     pieces = []
     for view in views:
         if view.mesh is not None:

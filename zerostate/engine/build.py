@@ -16,11 +16,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from zerostate.checkpoint import tensor_parallel as tp_checkpoint
 from zerostate.dist import collectives
 from zerostate.engine.config import EngineConfig, check_setting_names
 from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import describe, resolve_user_optimizers, whole_matrix_names
-from zerostate.runtime import activation, adapt, tp, tp_checkpoint, tp_plan
+from zerostate.runtime import activation, adapt, tp, tp_plan
 from zerostate.runtime import mesh as meshes
 
 #: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
@@ -280,7 +281,7 @@ def checkpoint_world(
     config: EngineConfig, tensor_parallel: Any, rank: int, world_size: int
 ) -> tp_checkpoint.CheckpointWorld | None:
     """Who saves a checkpoint together under tensor parallelism ([Note: tensor-parallel
-    checkpoints] in zerostate.runtime.tp_checkpoint); None without a tp dimension."""
+    checkpoints] in zerostate.checkpoint.tensor_parallel); None without a tp dimension."""
     if tensor_parallel is None:
         return None
     return tp_checkpoint.checkpoint_world(

@@ -184,7 +184,7 @@ class Engine:
         #: Checkpointed blocks ([Note: activation checkpoints] in zerostate.runtime.activation).
         self._activation = build.checkpointed_blocks(model, config, self._tp, device)
         #: Who saves a checkpoint together under tensor parallelism ([Note: tensor-parallel
-        #: checkpoints] in zerostate.runtime.tp_checkpoint); None without a tp dimension.
+        #: checkpoints] in zerostate.checkpoint.tensor_parallel); None without a tp dimension.
         self.checkpoint_world = build.checkpoint_world(config, self._tp, self.rank, self.world_size)
         #: The engine's state as the checkpoint code sees it ([Note: engine parts]).
         self._parts = StateParts(

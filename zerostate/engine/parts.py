@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from zerostate.checkpoint import tensor_parallel as tp_checkpoint
 from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan, check_tensors, check_tying
 from zerostate.dist.coordinator import Coordinator
 from zerostate.engine.build import first_names
@@ -23,16 +24,16 @@ from zerostate.errors import ConfigError, CorruptCheckpointError, EngineUsageErr
 from zerostate.layout.partition import TensorLayout
 from zerostate.optim import OptimizerLoad, ShardedOptimizer
 from zerostate.optim.precision import LossScaler
-from zerostate.runtime import adapt, tp_checkpoint
+from zerostate.runtime import adapt
 from zerostate.runtime.offload import HostTier, wait_copies
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.runtime.sharded import ShardedParam, ShardView
 from zerostate.store.state_doc import ENGINE_STATE_VERSION, check_document
 
 if TYPE_CHECKING:
+    from zerostate.checkpoint.tensor_parallel import CheckpointWorld
     from zerostate.engine.config import EngineConfig
     from zerostate.runtime.tp import TensorParallel
-    from zerostate.runtime.tp_checkpoint import CheckpointWorld
 
 __all__ = ["StateParts"]
 

@@ -117,7 +117,7 @@ def non_persistent_buffers(model: nn.Module) -> list[str]:
 #   whole, from the step's rank 0, and loads back in place, bit for bit. One sharded
 #   (``Shard(d)``) on the engine's ``tp`` mesh is saved as a parameter is, as its tp x dp
 #   pieces of the global tensor ([Note: tensor-parallel checkpoints] in
-#   zerostate.runtime.tp_checkpoint), so any layout reads it and each rank loads its own
+#   zerostate.checkpoint.tensor_parallel), so any layout reads it and each rank loads its own
 #   shard in place. Any other placement (``Partial``, or sharded over a mesh that is not
 #   the engine's ``tp``) is refused at save and load, naming the buffer.
 # * A complex buffer is stored as its real pairs ([Note: complex tensors] in

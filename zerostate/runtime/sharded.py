@@ -40,7 +40,7 @@ class ShardView:
     """Under tensor parallelism: the tensor's tp x dp layout; ``shape`` is then the global
     shape, ``layout`` the data-parallel split of tp shard ``tp_index`` and ``local`` /
     ``local_start`` a range of that shard, flattened ([Note: tensor-parallel checkpoints] in
-    zerostate.runtime.tp_checkpoint)."""
+    zerostate.checkpoint.tensor_parallel)."""
     tp_index: int = 0
     piece: tuple[int, int] | None = None
     """The ``(tp index, dp rank)`` piece this rank writes (None: another tp rank writes
