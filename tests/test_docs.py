@@ -137,7 +137,7 @@ def test_fsdp_guide_2d_section_uses_the_real_api() -> None:
 
     from zerostate.engine import Engine
     from zerostate.engine.config import EngineConfig
-    from zerostate.runtime.mesh import DIM_NAMES
+    from zerostate.runtime.process_groups import DIM_NAMES
 
     section = _section("coming-from-fsdp.md", "## 2-D meshes: FSDP2 + tensor parallelism")
     [code] = _BLOCK.findall(section)

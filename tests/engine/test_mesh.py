@@ -3,7 +3,8 @@
 Parity against single-process training on the global batch (AdamW at the tolerance of
 test_parity.py, SGD within 1e-5), communication per mesh dimension against the formula,
 memory per rank with Psi partitioned over dp_shard, and a save/load round trip at the same
-layout against uninterrupted training. See [Note: hybrid sharding] in zerostate.runtime.mesh.
+layout against uninterrupted training. See [Note: hybrid sharding] in
+zerostate.runtime.process_groups.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def test_dtensor_parameters_are_refused_naming_the_parameter() -> None:
 
 
 def test_mesh_spanning_fewer_ranks_than_the_world_is_refused() -> None:
-    from zerostate.runtime import mesh as meshes
+    from zerostate.runtime import process_groups as meshes
 
     class _Mesh:  # what plan_mesh reads of a DeviceMesh over 2 of 4 ranks
         mesh_dim_names = ("dp_shard",)

@@ -67,7 +67,7 @@ from zerostate.checkpoint.state import (
     transformers_config,
 )
 from zerostate.errors import CheckpointError
-from zerostate.runtime.mesh import watch_commit
+from zerostate.runtime.process_groups import watch_commit
 
 if TYPE_CHECKING:
     from zerostate.checkpoint.parts import EngineParts
@@ -196,7 +196,7 @@ class Checkpointer:
         self, path: str, step: int, blocking: bool, storage_options: dict | None
     ) -> SaveHandle:
         """The handle of a save this rank's replica does not write ([Note: one replica
-        writes] in zerostate.runtime.mesh): blocking, replica 0's verdict follows; async,
+        writes] in zerostate.runtime.process_groups): blocking, replica 0's verdict follows; async,
         the handle watches this engine's root for the step's commit."""
         if blocking:
             return SaveHandle(step, path, None, 0.0)

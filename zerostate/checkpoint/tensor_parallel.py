@@ -14,7 +14,7 @@ data-parallel engine, another tp degree, ``consolidate``.
   rank ``(t, d)`` is the step's rank ``t * dp_shard + d`` and writes piece ``(t, d)`` of
   every tensor split across tp, and of a tensor replicated across tp only tp rank 0
   writes (its pieces are ``(0, d)``). Buffers are one chunk, written by the step's rank 0.
-  Other replicas write nothing ([Note: one replica writes] in zerostate.runtime.mesh).
+  Other replicas write nothing ([Note: one replica writes] in zerostate.runtime.process_groups).
 * **Reading.** A load asks, for each view, for the local range the view holds in the
   engine's own layout (:func:`layout_read`, ``StepSource.read_layout_many``), whatever
   layout the step was written in: a format-3 step plans it with

@@ -21,8 +21,7 @@ from zerostate.dist import collectives
 from zerostate.engine.config import EngineConfig, check_setting_names
 from zerostate.errors import ConfigError, ZerostateError
 from zerostate.optim import describe, resolve_user_optimizers, whole_matrix_names
-from zerostate.runtime import activation, adapt, tp, tp_plan
-from zerostate.runtime import mesh as meshes
+from zerostate.runtime import activation, adapt, process_groups, tp, tp_plan
 
 #: EngineConfig fields that configure the built-in AdamW; with optimizer= they are the
 #: user optimizer's business.
@@ -123,7 +122,7 @@ class Setup(NamedTuple):
     config: EngineConfig
     resolved: Any
     """The user's optimizer(s) resolved against the model's parameters (None: AdamW)."""
-    mesh: meshes.MeshPlan | None
+    mesh: process_groups.MeshPlan | None
     """The device mesh's groups (None without ``mesh=``): ZeRO runs over its dp_shard
     group ([Note: hybrid sharding])."""
     group: Any
@@ -149,12 +148,12 @@ def check_setup(model: Any, config: EngineConfig | None, optimizer: Any, kwargs:
             error = exc
     mesh_given = (config.mesh if config is not None else kwargs.get("mesh")) is not None
     group = config.group if config is not None else kwargs.get("group")
-    mesh: meshes.MeshPlan | None = None
+    mesh: process_groups.MeshPlan | None = None
     if mesh_given:
         group = None  # until the mesh is checked; a refused mesh fails on the world
     if error is None and mesh_given:
         try:
-            mesh = meshes.plan_mesh(config.mesh, pick_device(model, config))
+            mesh = process_groups.plan_mesh(config.mesh, pick_device(model, config))
             group = mesh.shard_group
         except ZerostateError as exc:
             error = exc
@@ -256,7 +255,7 @@ def sync_module_states(model: nn.Module, local: list[torch.Tensor], mesh: Any, g
         states = [p.data for p in local] + [b for b in buffers if b is not None]
         states = [t for t in states if t.numel()]
         if mesh is not None:
-            meshes.broadcast_from_first(states, mesh)
+            process_groups.broadcast_from_first(states, mesh)
         else:
             collectives.broadcast_from_first(states, group=group)
 

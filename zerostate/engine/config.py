@@ -294,7 +294,7 @@ class EngineConfig:
         _check_offload(self)
         _check_activation(self)
         if self.mesh is not None:
-            from zerostate.runtime.mesh import check_mesh
+            from zerostate.runtime.process_groups import check_mesh
 
             check_mesh(self.mesh)
             if self.group is not None:

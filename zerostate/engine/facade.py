@@ -59,8 +59,7 @@ from zerostate.optim import (
     link_user_optimizers,
 )
 from zerostate.optim.precision import LossScaler
-from zerostate.runtime import adapt, tp
-from zerostate.runtime import mesh as meshes
+from zerostate.runtime import adapt, process_groups, tp
 from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.runtime.sharded import ShardedParam, ShardView
@@ -93,7 +92,7 @@ class Engine:
         self.rank, self.world_size = setup.rank, setup.world_size
         #: The device mesh's groups (None without ``mesh=``): ZeRO runs over its dp_shard
         #: group, which is ``group`` from here on ([Note: hybrid sharding]).
-        self._mesh: meshes.MeshPlan | None = setup.mesh
+        self._mesh: process_groups.MeshPlan | None = setup.mesh
         self.config: EngineConfig = config
         self._checkpointer: Any = None  # created by the first save() or load()
         self.module = model
@@ -113,7 +112,7 @@ class Engine:
             stats=self._stats,
         )
         #: The same over dp_replicate, for [Note: one replica writes]; None without it.
-        self._replica_coordinator = meshes.replica_coordinator(self._mesh, self.coordinator)
+        self._replica_coordinator = process_groups.replica_coordinator(self._mesh, self.coordinator)
         self._pool = BufferPool(device)
         self._ctx = CommContext(
             group=group,
@@ -479,13 +478,13 @@ class Engine:
 
         if self._mesh is None:
             return save()
-        # [Note: one replica writes] (zerostate.runtime.mesh)
+        # [Note: one replica writes] (zerostate.runtime.process_groups)
         number = self.optimizer_steps if step is None else int(step)
 
         def skipped() -> SaveHandle:
             return self._ckpt().skipped_save(path, number, blocking, storage_options)
 
-        return meshes.save_on_first_replica(self._replica_coordinator, save, skipped)
+        return process_groups.save_on_first_replica(self._replica_coordinator, save, skipped)
 
     def load(
         self,

@@ -9,7 +9,7 @@ from zerostate.dist.collectives import CommStats
 from zerostate.dist.comm import BufferPool, CommContext
 from zerostate.errors import ConfigError
 from zerostate.optim import ShardedOptimizer
-from zerostate.runtime import mesh as meshes
+from zerostate.runtime import process_groups
 from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.runtime.sharded import ShardedParam
@@ -105,7 +105,7 @@ def comm_stats(
     if tensor_parallel is not None:
         reports["tp"] = tensor_parallel.stats.report()
     if dim is None:
-        return meshes.sum_reports(list(reports.values()))
+        return process_groups.sum_reports(list(reports.values()))
     if dim not in reports:
         raise ConfigError(
             f"comm_stats(dim={dim!r}): this engine communicates over {sorted(reports)}"
