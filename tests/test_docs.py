@@ -103,7 +103,7 @@ def _section(page: str, heading: str) -> str:
 
 def test_readme_names_the_format_versions_the_writer_writes() -> None:
     from zerostate.store import format as fmt
-    from zerostate.store import mesh as mesh_mod
+    from zerostate.store import geometry as mesh_mod
 
     checkpoints = _words(_section("README.md", "## Checkpoints"))
     named = re.search(r"format version (\d+); a step holding tensor-parallel pieces", checkpoints)

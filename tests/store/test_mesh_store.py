@@ -1,5 +1,5 @@
 """Format 3: tensors stored as tensor-parallel x data-parallel pieces ([Note: mesh tensors] in
-zerostate.store.mesh), written one row per (tp, dp) rank and read back as logical tensors by
+zerostate.store.geometry), written one row per (tp, dp) rank and read back as logical tensors by
 every reader path: ranged reads, whole reads, consolidation, verify, the CLI."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.foreign.conftest import one_line_refusals, run_cli
 from zerostate.errors import CorruptCheckpointError, LayoutError
 from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.layout.partition import even_layout
-from zerostate.store import mesh as mesh_mod
+from zerostate.store import geometry as mesh_mod
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.writer import TensorSpec
 

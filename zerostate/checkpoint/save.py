@@ -32,7 +32,7 @@ from zerostate.checkpoint.tensor_parallel import saved_piece
 from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError
 from zerostate.store import StepExistsError, TensorSpec
-from zerostate.store.mesh import stored_layout
+from zerostate.store.geometry import stored_layout
 from zerostate.store.root import CheckpointRoot
 
 if TYPE_CHECKING:

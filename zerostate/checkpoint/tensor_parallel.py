@@ -3,7 +3,7 @@
 [Note: tensor-parallel checkpoints]
 Under tensor parallelism each rank's masters and optimizer states are its dp piece of its
 *local* tp shard ([Note: tensor parallelism] in zerostate.runtime.tp). A checkpoint stores
-them as format 3's mesh tensors ([Note: mesh tensors] in zerostate.store.mesh): the logical
+them as format 3's mesh tensors ([Note: mesh tensors] in zerostate.store.geometry): the logical
 (global) tensor under the model's own name, with its :class:`~zerostate.layout.MeshLayout`
 (the DTensor's shard dim at the tp degree, or replicated across tp; every tp shard split
 evenly over ``dp_shard``, as the engine partitions it), so any layout reads it: a plain

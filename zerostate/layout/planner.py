@@ -1,7 +1,7 @@
 """The copy plan from one layout of a tensor to another ([Note: tensor-parallel layouts]).
 
 Pure: no ``torch.distributed``, no I/O. Every read of a format-3 tensor is planned here
-([Note: mesh tensors] in ``zerostate.store.mesh``), and the step reader (``reader_v2``)
+([Note: mesh tensors] in ``zerostate.store.geometry``), and the step reader (``reader_v2``)
 reads, per source piece, the stored span the copies touch:
 
 * ``engine.load`` on a tp mesh asks for each view's range of its tp shard in the engine's

@@ -32,7 +32,7 @@ from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.layout.partition import chunk_reads, even_layout
 from zerostate.store import format as fmt
 from zerostate.store import format2
-from zerostate.store import mesh as mesh_mod
+from zerostate.store import geometry as mesh_mod
 from zerostate.store import refs as refs_mod
 from zerostate.store.base import RangeReader
 from zerostate.store.problems import Problem, as_problem, raise_if_any

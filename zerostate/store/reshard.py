@@ -46,7 +46,7 @@ import torch
 from zerostate.errors import ConfigError
 from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.layout.partition import even_layout, plan_layouts
-from zerostate.store import mesh as mesh_mod
+from zerostate.store import geometry as mesh_mod
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.rows import LazyShard
 from zerostate.store.sources import open_source

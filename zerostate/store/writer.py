@@ -42,7 +42,7 @@ from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.layout.partition import TensorLayout
 from zerostate.store import format as fmt
 from zerostate.store import format2
-from zerostate.store import mesh as mesh_mod
+from zerostate.store import geometry as mesh_mod
 from zerostate.store.format import ChunkRecord
 from zerostate.store.refs import TensorRef
 from zerostate.store.rows import LazyShard, Source, row_parts, row_path
@@ -65,7 +65,7 @@ class TensorSpec:
     mesh: MeshLayout | None = None
     """Set: the tensor is written as its tp x dp pieces ([Note: mesh tensors] in
     ``store/mesh.py``); ``shape`` is the logical shape and ``layout`` the stored array's
-    (:func:`zerostate.store.mesh.stored_layout`), and the step is format 3."""
+    (:func:`zerostate.store.geometry.stored_layout`), and the step is format 3."""
 
     def __post_init__(self) -> None:
         fmt.validate_name(self.name)
