@@ -25,7 +25,7 @@ RANK_STATE_KEY = "frozen"
 
 
 @dataclass(slots=True)
-class FrozenPlan:
+class FrozenReferences:
     """What one save writes of the frozen parameters."""
 
     #: Tensors the step refers to (not written).
@@ -39,7 +39,7 @@ class FrozenPlan:
 
 
 class SaveSource(Protocol):
-    """What :func:`plan_frozen` needs of the save it plans for (a save session)."""
+    """What :func:`reference_frozen` needs of the save it decides for (a save session)."""
 
     @property
     def document(self) -> dict:
@@ -54,7 +54,9 @@ class SaveSource(Protocol):
         """The save's :class:`~zerostate.dist.coordinator.Coordinator`."""
 
 
-def plan_frozen(save: SaveSource, root: Any, step: int, latest: int | None) -> FrozenPlan:
+def reference_frozen(
+    save: SaveSource, root: Any, step: int, latest: int | None
+) -> FrozenReferences:
     """Collective: every rank calls it with the same arguments; it never raises for a
     problem of one rank (that rank votes "write everything" instead). ``save`` is the save
     session, ``root`` its :class:`~zerostate.store.root.CheckpointRoot`, ``latest`` its
@@ -62,7 +64,7 @@ def plan_frozen(save: SaveSource, root: Any, step: int, latest: int | None) -> F
     coordinator = save.coordinator
     names = sorted(f"model/{n}" for n in save.document.get("frozen", []))
     if not names:
-        return FrozenPlan()
+        return FrozenReferences()
     base, holders, digests, specs = -1, {}, {}, {}
     try:
         pieces = {p.spec.name: p for p in save.pieces if p.spec.name in names}
@@ -82,7 +84,7 @@ def plan_frozen(save: SaveSource, root: Any, step: int, latest: int | None) -> F
             recorded[name] = {"digest": digests[name], "step": holders[name]}
         elif name in digests:
             recorded[name] = {"digest": digests[name], "step": step}
-    return FrozenPlan(refs, recorded)
+    return FrozenReferences(refs, recorded)
 
 
 def _matching(

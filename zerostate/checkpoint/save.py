@@ -19,7 +19,7 @@ import torch
 from zerostate import jsonstate
 from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle
 from zerostate.checkpoint.frozen import RANK_STATE_KEY as FROZEN_KEY
-from zerostate.checkpoint.frozen import adapter_attrs, plan_frozen
+from zerostate.checkpoint.frozen import adapter_attrs, reference_frozen
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import (
     check_stateful,
@@ -158,7 +158,7 @@ class SaveSession:
         root, save_id, latest, per_rank = self._prepare()
         step, error = self.step, None
         # Collective, never fails; ``latest``: rank 0's listing, so no rank lists again.
-        frozen = plan_frozen(self, root, step, latest if latest >= 0 else None)
+        frozen = reference_frozen(self, root, step, latest if latest >= 0 else None)
         try:
             attrs, objects = self._attrs, self._objects
             rank_state = {"rng": rng_state()}
