@@ -52,7 +52,7 @@ import crc32c
 import numpy as np
 import torch
 
-from zerostate.partition import (
+from zerostate.layout.partition import (
     DEFAULT_MIN_SHARD_NUMEL,
     TensorLayout,
     chunk_numel_for,

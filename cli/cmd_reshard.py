@@ -18,7 +18,7 @@ from zerostate_cli.common import (
 )
 from zerostate_cli.layouts import mesh_of, mesh_text, step_mesh
 
-from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL
+from zerostate.layout.partition import DEFAULT_MIN_SHARD_NUMEL
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,5 +1,5 @@
 """Print (or, with --write, refresh in docs/api.md) the EngineConfig fields table, made from
-the docstring under each field in zerostate/config.py. tests/test_docs.py checks the page
+the docstring under each field in zerostate/engine/config.py. tests/test_docs.py checks the page
 holds exactly this table, so a new field cannot go undocumented.
 
     python scripts/api_fields.py --write
@@ -16,7 +16,7 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
 def table() -> str:
-    from zerostate.config import field_docs
+    from zerostate.engine.config import field_docs
 
     rows = ["| field | type = default | what it does |", "|---|---|---|"]
     for name, (kind, default, doc) in field_docs().items():

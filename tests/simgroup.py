@@ -1,7 +1,7 @@
 """A simulated process group: ``world_size`` ranks as threads of one process.
 
 ``run_sim(fn, world_size, monkeypatch)`` replaces the collectives of
-``zerostate.collectives`` with in-process versions that exchange tensors between threads
+``zerostate.dist.collectives`` with in-process versions that exchange tensors between threads
 (a barrier per collective), then runs ``fn(rank, group)`` on one thread per rank and
 returns the results in rank order. Pass ``group=group`` to the engine. Sums are taken in
 rank order in the tensor's dtype, as a real backend would; volumes are recorded in the
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
-from zerostate.collectives import Handle
+from zerostate.dist import collectives
+from zerostate.dist.collectives import Handle
 
 
 class SimGroup:

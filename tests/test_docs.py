@@ -67,7 +67,7 @@ def test_api_page_holds_the_current_fields_table() -> None:
         import api_fields
     finally:
         sys.path.pop(0)
-    from zerostate.config import field_docs
+    from zerostate.engine.config import field_docs
 
     undocumented = [name for name, (_, _, doc) in field_docs().items() if not doc.strip()]
     assert not undocumented, f"EngineConfig fields without a docstring: {undocumented}"
@@ -109,7 +109,7 @@ def _section(page: str, heading: str) -> str:
 
 def test_readme_names_the_format_versions_the_writer_writes() -> None:
     from zerostate.store import format as fmt
-    from zerostate.store import mesh as mesh_mod
+    from zerostate.store import geometry as mesh_mod
 
     checkpoints = _words(_section("README.md", "## Checkpoints"))
     named = re.search(r"format version (\d+); a step holding tensor-parallel pieces", checkpoints)
@@ -141,9 +141,9 @@ def test_fsdp_guide_2d_section_uses_the_real_api() -> None:
     import dataclasses
     import inspect
 
-    from zerostate.config import EngineConfig
     from zerostate.engine import Engine
-    from zerostate.runtime.mesh import DIM_NAMES
+    from zerostate.engine.config import EngineConfig
+    from zerostate.runtime.process_groups import DIM_NAMES
 
     section = _section("coming-from-fsdp.md", "## 2-D meshes: FSDP2 + tensor parallelism")
     [code] = _BLOCK.findall(section)
@@ -170,7 +170,7 @@ def test_fsdp_guide_2d_section_uses_the_real_api() -> None:
 def test_small_tensor_rule_is_documented_where_partitions_are() -> None:
     """``reshard``'s default keeps tensors under ``--min-shard-numel`` whole on one rank;
     the README's and the format's descriptions of partitions say so, with the real default."""
-    from zerostate.partition import DEFAULT_MIN_SHARD_NUMEL, plan_layouts
+    from zerostate.layout.partition import DEFAULT_MIN_SHARD_NUMEL, plan_layouts
 
     readme = _words(_section("README.md", "## Checkpoints"))
     assert f"`--min-shard-numel` elements (default {DEFAULT_MIN_SHARD_NUMEL:,}) is stored " \

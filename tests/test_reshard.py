@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerostate.errors import ConfigError
-from zerostate.partition import even_layout, plan_layouts
+from zerostate.layout.partition import even_layout, plan_layouts
 from zerostate.store import open_checkpoint, save_tensors
 from zerostate.store.reshard import reshard
 

@@ -64,3 +64,7 @@ class StageUsageError(ZerostateError, RuntimeError):
 class GradientAccessError(ZerostateError, RuntimeError):
     """A parameter's ``.grad`` was used between ``engine.backward()`` and ``engine.step()``,
     where it does not hold the step's gradient (``torch.nn.utils.clip_grad_norm_``, say)."""
+
+
+class EngineUsageError(ZerostateError, RuntimeError):
+    """The engine's methods were called in an order it cannot honour."""

@@ -31,7 +31,7 @@ parameter it shards over the ``tp`` ranks, so a rank's ZeRO works on Psi / TP pa
 (plus, whole, the ones the plan leaves replicated over tp: embeddings or norms outside the
 plan, ``tp_replicated``), partitioned over ``dp_shard = dp / dp_replicate`` ranks; replicas
 hold the same partitions as each other, so ``dp_replicate`` divides nothing ([Note: hybrid
-sharding] in zerostate.runtime.mesh). ``dp`` is every data-parallel rank (``dp_replicate x
+sharding] in zerostate.runtime.process_groups). ``dp`` is every data-parallel rank (``dp_replicate x
 dp_shard``); the world is ``dp x tp``.
 """
 

@@ -1,7 +1,7 @@
 """Buffers as torch treats them: non-persistent buffers are neither saved nor loaded,
 complex buffers are stored as their real pairs and read back bit for bit, and DTensor
 buffers (torchtitan's RoPE cache after ``parallelize_module``) pass ``sync_module_states``,
-save and load ([Note: buffers as torch treats them] in zerostate.adapt)."""
+save and load ([Note: buffers as torch treats them] in zerostate.runtime.adapt)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def test_complex_buffers_round_trip_bit_for_bit(tmp_path: Path) -> None:
 
 
 def test_unstorable_dtypes_name_the_tensor() -> None:
-    from zerostate.partition import even_layout
+    from zerostate.layout.partition import even_layout
     from zerostate.store.writer import TensorSpec
 
     with pytest.raises(ConfigError, match=r"tensor 'buffers/c' has dtype torch.complex64.*"):

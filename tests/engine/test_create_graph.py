@@ -149,7 +149,7 @@ def test_a_gradient_penalty_trains_as_torch_at_every_stage(kind, stage, accum):
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_gradient_penalty_through_checkpointed_blocks_trains_as_torch(stage):
-    """[Note: checkpoints under create_graph] in zerostate.activation: the second-order
+    """[Note: checkpoints under create_graph] in zerostate.runtime.activation: the second-order
     terms through checkpointed blocks were dropped (0.059 away after 3 steps)."""
     want = _reference("blocks", 2, 1)
     got = run_distributed(_worker, 2, "blocks", stage, 1, "full")[0]

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from zerostate_cli.main import main
 
 import zerostate
-from zerostate import collectives
+from zerostate.dist import collectives
 from zerostate.errors import ConfigError
 from zerostate.estimate import estimate, mesh_shape
 

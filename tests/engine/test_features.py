@@ -22,7 +22,7 @@ from helpers_dist import run_distributed
 from torch import nn
 
 import zerostate
-from zerostate.collectives import group_info
+from zerostate.dist.collectives import group_info
 from zerostate.engine import EngineUsageError
 from zerostate.errors import ConfigError, DistributedMismatchError
 from zerostate.models.gpt2 import GPT2, GPT2Config

@@ -264,7 +264,7 @@ def _progress_and_mismatched_calls_logged(lines: list[str], root: str, rank: int
         mismatch = ""
     except DistributedMismatchError as exc:
         mismatch = str(exc)
-    zerostate.collectives.barrier(group=None)  # rank 0 hosts the store: let rank 1 finish
+    zerostate.dist.collectives.barrier(group=None)  # rank 0 hosts the store: let rank 1 finish
     return {"lines": lines, "mismatch": mismatch}
 
 

@@ -2,7 +2,7 @@
 
 A process group that outlives ``destroy_process_group()`` keeps gloo's worker threads
 running into interpreter shutdown, where one still releasing a finished collective aborts
-the process (see [Note: pinned default group] in zerostate.collectives).
+the process (see [Note: pinned default group] in zerostate.dist.collectives).
 """
 
 from __future__ import annotations

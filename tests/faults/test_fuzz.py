@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zerostate.errors import CheckpointError, ZerostateError
-from zerostate.partition import TensorLayout, chunk_reads, even_layout, intersect
+from zerostate.layout.partition import TensorLayout, chunk_reads, even_layout, intersect
 from zerostate.store import format as fmt
 from zerostate.store import open_checkpoint
 

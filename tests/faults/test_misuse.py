@@ -63,7 +63,7 @@ def _worker(rank: int, world_size: int, root: str, stage: int, precision: str) -
         _step(engine)
         engine.save(f"{root}/keep", step=step, blocking=False, keep_last=1)
     engine.close()  # on rank 0 this includes the last save's retention
-    zerostate.collectives.barrier(group=None)
+    zerostate.dist.collectives.barrier(group=None)
     reader = open_checkpoint(f"{root}/keep")
     out["retention"] = reader.scan()
     reader.step().verify()

@@ -116,9 +116,9 @@ def _worker(rank: int, world_size: int, root: str, stage: int, failing_rank: int
             out[name] = _outcome(action)
         # Clean up only once every rank is done with the scenario: removing a step that
         # another rank still waits on is a misuse (remove_partial_steps says so).
-        zerostate.collectives.barrier(group=None)
+        zerostate.dist.collectives.barrier(group=None)
         remove_partial_steps(root) if rank == 0 else None
-        zerostate.collectives.barrier(group=None)
+        zerostate.dist.collectives.barrier(group=None)
     # Ranks that disagree on the step number fail together, before anything is written.
     out["different steps"] = _outcome(lambda: engine.save(root, step=10 + rank))
     # The good step still loads everywhere and holds what was saved.

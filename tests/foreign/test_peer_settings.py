@@ -10,7 +10,7 @@ import pytest
 
 from tests.foreign import peers
 from tests.helpers_dist import run_distributed
-from zerostate.peer_settings import differences
+from zerostate.checkpoint.peer_settings import differences
 
 
 def _attrs(clip: float | None) -> dict:

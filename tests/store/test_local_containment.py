@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from zerostate.errors import UnsafeNameError
-from zerostate.partition import TensorLayout, even_layout
+from zerostate.layout.partition import TensorLayout, even_layout
 from zerostate.store.local import LocalStorage
 from zerostate.store.rows import plan_groups
 

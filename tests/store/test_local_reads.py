@@ -88,7 +88,7 @@ def test_a_resharding_read_streams_each_row_object_once_in_order(tmp_path, monke
     import torch
     from _store_helpers import make_tensors
 
-    from zerostate.partition import even_layout
+    from zerostate.layout.partition import even_layout
     from zerostate.store import open_checkpoint, save_tensors
 
     tensors = make_tensors()

@@ -1,5 +1,5 @@
 """Format 3: tensors stored as tensor-parallel x data-parallel pieces ([Note: mesh tensors] in
-zerostate.store.mesh), written one row per (tp, dp) rank and read back as logical tensors by
+zerostate.store.geometry), written one row per (tp, dp) rank and read back as logical tensors by
 every reader path: ranged reads, whole reads, consolidation, verify, the CLI."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from tests.foreign.conftest import one_line_refusals, run_cli
 from zerostate.errors import CorruptCheckpointError, LayoutError
-from zerostate.layout import MeshLayout
-from zerostate.partition import even_layout
-from zerostate.store import mesh as mesh_mod
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.layout.partition import even_layout
+from zerostate.store import geometry as mesh_mod
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.writer import TensorSpec
 
@@ -275,7 +275,7 @@ def test_scatter_of_strided_copies_equals_one_copy_per_row():
     exactly where one copy per row puts it: from a read that starts anywhere in the piece,
     into a view at an offset (as the engine's own tensors may be), with single-row copies
     between them."""
-    from zerostate.layout_plan import Copy
+    from zerostate.layout.planner import Copy
     from zerostate.store.reader_v2 import _scatter
 
     rng = random.Random(5)

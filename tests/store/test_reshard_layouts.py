@@ -16,8 +16,8 @@ import torch
 
 from tests.foreign.conftest import run_cli
 from tests.store.test_mesh_store import write_mesh_step
-from zerostate.layout import MeshLayout
-from zerostate.store import mesh as mesh_mod
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.store import geometry as mesh_mod
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.writer import TensorSpec
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
-from zerostate.partition import even_layout
+from zerostate.layout.partition import even_layout
 from zerostate.store import format as fmt
 from zerostate.store import open_checkpoint
 

@@ -67,7 +67,7 @@ def test_golden_loads_every_tensor(golden):
 @pytest.mark.parametrize("new_world_size", [1, 2, 4])
 @pytest.mark.parametrize("golden", [GOLDEN_V1, GOLDEN_V2], ids=["v1", "v2"])
 def test_golden_reads_at_other_world_sizes(golden, new_world_size):
-    from zerostate.partition import even_layout
+    from zerostate.layout.partition import even_layout
 
     st = open_checkpoint(str(golden / "ckpt")).step()
     for name, want in _expected(golden)["tensors"].items():

@@ -22,7 +22,7 @@ from _store_helpers import (
 from helpers_dist import free_port  # [Note: free ports]
 
 from zerostate.errors import CheckpointError, CheckpointNotFoundError, CommitTimeoutError
-from zerostate.partition import plan_layouts
+from zerostate.layout.partition import plan_layouts
 from zerostate.store import StepWriter, open_checkpoint, remove_partial_steps
 
 WORKER = Path(__file__).with_name("_store_worker.py")

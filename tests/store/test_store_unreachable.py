@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zerostate.errors import StorageError
-from zerostate.partition import even_layout
+from zerostate.layout.partition import even_layout
 from zerostate.store import StepWriter, TensorSpec, open_checkpoint
 
 

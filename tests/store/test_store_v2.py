@@ -10,7 +10,7 @@ import torch
 from _store_helpers import make_tensors
 
 from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
-from zerostate.partition import even_layout
+from zerostate.layout.partition import even_layout
 from zerostate.store import StepWriter, local, open_checkpoint, plan_specs, save_tensors
 from zerostate.store.format import COMMIT_PATH
 from zerostate.store.storage import LocalStorage

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine.common import batch, local, make_model
+from common import batch, local, make_model
 from helpers_dist import run_distributed
 
 import zerostate

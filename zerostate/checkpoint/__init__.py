@@ -4,7 +4,7 @@ The engine exposes its state as :class:`~zerostate.engine.ShardView` objects (on
 logical tensor: fp32 master weights, Adam moments, buffers); this module moves them to and
 from the store. It owns no training state and calls no collective except one all-reduce
 and one barrier per save and one barrier per load, on the engine's process group, through
-:mod:`zerostate.collectives`.
+:mod:`zerostate.dist.collectives`.
 
 [Note: async save]
 ``save(..., blocking=False)`` splits a save in two. On the caller's thread it copies this
@@ -22,7 +22,7 @@ other code is still running in), so a failed background save is never silent.
 A save or load is collective, and one rank's failure must not leave the others waiting
 for a commit record or inside a collective until a timeout. So every phase that can fail
 on one rank ends in one small all-gather of an error flag (``Coordinator.agree``, in
-zerostate.coordinator): preparing a save
+zerostate.dist.coordinator): preparing a save
 (rank 0's checks of the target, each rank's previous async save), writing (blocking saves),
 committing, and reading a load. After it, either every rank goes on or every rank raises:
 the failing rank its own error, the others a CheckpointError naming the failed rank(s).
@@ -38,7 +38,10 @@ The package: :class:`Checkpointer` (here) is the engine's facade; ``save.py`` an
 hold one session per call, ``roots.py`` the roots the engine keeps (one per location),
 ``async_save.py`` the snapshot fence, background writer and :class:`SaveHandle`,
 ``state.py`` the JSON state, RNG and model config, ``foreign.py`` the fitting of a peer's
-step (DeepSpeed, DCP) to the loading engine.
+step (DeepSpeed, DCP) to the loading engine, ``parts.py`` what the sessions see of an
+engine ([Note: engine parts]), ``load_plan.py`` the checked plan of a load and its undo,
+``frozen.py`` frozen tensors a save references instead of rewriting, ``pretrained.py``
+``load_pretrained``, ``peer_settings.py`` a peer's update settings compared at load.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,8 +66,11 @@ from zerostate.checkpoint.state import (
     saved_rng,
     transformers_config,
 )
-from zerostate.coordinator import Coordinator
 from zerostate.errors import CheckpointError
+from zerostate.runtime.process_groups import watch_commit
+
+if TYPE_CHECKING:
+    from zerostate.checkpoint.parts import EngineParts
 
 __all__ = [
     "DEFAULT_COMMIT_TIMEOUT_S",
@@ -102,21 +108,20 @@ class Checkpointer:
     :class:`~zerostate.store.root.CheckpointRoot` per location, see [Note: one root per
     location] in zerostate.checkpoint.roots)."""
 
-    def __init__(self, engine: Any, *, timeout_s: float | None = None) -> None:
-        self.engine = engine
+    def __init__(self, parts: EngineParts, *, timeout_s: float | None = None) -> None:
+        #: The engine's state ([Note: engine parts] in zerostate.checkpoint.parts).
+        self.parts = parts
         if timeout_s is None:
             # The environment may shorten it (tests, schedulers with tight preemption).
             env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
             timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
         self.timeout_s = timeout_s
         # Under tensor parallelism the tp x dp_shard ranks of a replica save together
-        # ([Note: tensor-parallel checkpoints] in zerostate.runtime.tp_checkpoint).
-        self.coordinator = Coordinator.of(
-            engine,
-            error_cls=CheckpointError,
-            note=" and nothing was committed",
-            world=engine.checkpoint_world,
-        )
+        # ([Note: tensor-parallel checkpoints] in zerostate.checkpoint.tensor_parallel).
+        coordinator, world = parts.coordinator, parts.checkpoint_world
+        if world is not None:
+            coordinator = coordinator.over(world.group, world.rank, world.world_size)
+        self.coordinator = coordinator.with_errors(CheckpointError, " and nothing was committed")
         self.saves = BackgroundSaves(self)
         self.snapshots = Snapshots()
         self.roots = EngineRoots()
@@ -140,7 +145,7 @@ class Checkpointer:
     def _snapshot(
         self, pieces: list[Piece], blocking: bool
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
-        return self.snapshots.take(pieces, blocking, self.engine.module)
+        return self.snapshots.take(pieces, blocking, self.parts.module)
 
     def before_update(self) -> None:
         """Called before anything changes master weights or optimizer states: waits until
@@ -169,7 +174,7 @@ class Checkpointer:
         start = time.perf_counter()
         self._check_open()
         session = SaveSession(
-            self.engine,
+            self.parts,
             path,
             coordinator=self.coordinator,
             roots=self.roots,
@@ -187,6 +192,18 @@ class Checkpointer:
         )
         return session.run(start)
 
+    def skipped_save(
+        self, path: str, step: int, blocking: bool, storage_options: dict | None
+    ) -> SaveHandle:
+        """The handle of a save this rank's replica does not write ([Note: one replica
+        writes] in zerostate.runtime.process_groups): blocking, replica 0's verdict follows; async,
+        the handle watches this engine's root for the step's commit."""
+        if blocking:
+            return SaveHandle(step, path, None, 0.0)
+        root = self.roots.open(path, storage_options)
+        watch = watch_commit(lambda: root.is_committed(step), f"step {step}", self.timeout_s)
+        return SaveHandle(step, path, watch, 0.0)
+
     def load(
         self,
         path: str,
@@ -199,7 +216,7 @@ class Checkpointer:
     ) -> Any:
         self._check_open()
         session = LoadSession(
-            self.engine,
+            self.parts,
             path,
             # [Note: nothing lands before every rank has read] in zerostate.checkpoint.load
             coordinator=self.coordinator.with_errors(

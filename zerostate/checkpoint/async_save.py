@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
+from zerostate.dist import collectives
 from zerostate.store import TensorSpec
 
 

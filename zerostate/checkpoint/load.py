@@ -1,6 +1,6 @@
 """A load session: one collective load of a step (any format, any world size) into an engine.
 
-[Note: planned load] in zerostate.engine_state: every check runs before anything in the
+[Note: planned load] in zerostate.checkpoint.load_plan: every check runs before anything in the
 engine changes; then the plan is applied, this rank's ranges are read into the engine in
 one batched read, and the ranks agree ([Note: failing together] in zerostate.checkpoint)
 before the working copies are rebuilt and the stateful objects restored.
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zerostate import peer_settings
+from zerostate.checkpoint import peer_settings
 from zerostate.checkpoint.foreign import open_any_step
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import (
@@ -24,9 +24,12 @@ from zerostate.checkpoint.state import (
     saved_rank_state,
     saved_rng,
 )
-from zerostate.coordinator import Coordinator
+from zerostate.checkpoint.tensor_parallel import layout_read
+from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError
-from zerostate.runtime.tp_checkpoint import layout_read
+
+if TYPE_CHECKING:
+    from zerostate.checkpoint.parts import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class LoadSession:
 
     def __init__(
         self,
-        engine: Any,
+        parts: EngineParts,
         path: str,
         *,
         coordinator: Coordinator,
@@ -48,7 +51,7 @@ class LoadSession:
         stateful: dict | None,
         strict_state: bool,
     ) -> None:
-        self.engine, self.path, self.coordinator = engine, path, coordinator
+        self.parts, self.path, self.coordinator = parts, path, coordinator
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
         self._roots, self._settle = roots, settle
         self._step, self._storage_options = step, storage_options
@@ -57,16 +60,16 @@ class LoadSession:
 
     def run(self) -> Any:
         """Load; returns the step's ``client_state``."""
-        engine, path, stateful = self.engine, self.path, self._stateful
+        parts, path, stateful = self.parts, self.path, self._stateful
         self.coordinator.arrive("load")
         error, st, restore, left, undo, plan = None, None, None, [], None, None
         read_whole, staged = set(), []
         try:
             self._settle()  # the save in flight finishes, its snapshot is taken
             root = self._roots.open(path, self._storage_options)  # [Note: one root per location]
-            st, document = open_any_step(engine, root, self._step)
+            st, document = open_any_step(parts, root, self._step)
             # [Note: planned load]: every check runs before anything in the engine changes.
-            plan = engine.plan_load(
+            plan = parts.plan_load(
                 document, st.tensors, strict=self._strict, where=path, step=st.step
             )
             restore = saved_rank_state(
@@ -78,7 +81,7 @@ class LoadSession:
                     f"step {st.step} in {path} holds state this load was not asked to "
                     f"restore: {'; '.join(left)} (strict_state=True)"
                 )
-            applied = engine.apply_load(plan, st.tensors.keys())
+            applied = parts.apply_load(plan, st.tensors.keys())
             undo = applied.undo
             read_whole, staged = self._read_tensors(st, applied.fresh)
         except Exception as exc:
@@ -93,7 +96,7 @@ class LoadSession:
                     undo()
                 raise
             _land(staged)
-            engine.refresh_from_masters(read_whole)
+            parts.refresh_from_masters(read_whole)
             rng, objects = restore
             restore_rng(st, rng, rank=self.rank, world_size=self.world_size)
             for name, value in objects.items():
@@ -110,7 +113,7 @@ class LoadSession:
     def _warn(self, st: Any, plan: Any, left: list[str]) -> None:
         path = self.path
         # [Note: a peer's update settings]
-        for warning in peer_settings.differences(st.attrs, self.engine.config, path):
+        for warning in peer_settings.differences(st.attrs, self.parts.config, path):
             log.warning("zerostate: %s", warning)
         for group in plan.optimizer.mixed:
             log.warning(
@@ -194,10 +197,10 @@ class LoadSession:
         object stores (every rank would fetch the whole model) are still gathered.
         ``Engine.whole_replicas`` names the same parameters on every rank, so every rank
         leaves the same ones out of the gather."""
-        views = self.engine.state_views()
+        views = self.parts.state_views()
         # One batched read: every piece of storage this rank needs is fetched once, adjacent
         # pieces together, into fresh memory.
-        whole = self.engine.whole_replicas() if st.reads_locally else {}
+        whole = self.parts.whole_replicas() if st.reads_locally else {}
         requests, targets, read_whole = [], [], set()
         mesh_reads, mesh_targets = [], []
         for view in views:

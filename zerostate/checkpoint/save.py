@@ -12,12 +12,14 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zerostate import jsonstate
 from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle
+from zerostate.checkpoint.frozen import RANK_STATE_KEY as FROZEN_KEY
+from zerostate.checkpoint.frozen import adapter_attrs, reference_frozen
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.state import (
     check_stateful,
@@ -26,14 +28,15 @@ from zerostate.checkpoint.state import (
     rng_state,
     transformers_config,
 )
-from zerostate.coordinator import Coordinator
+from zerostate.checkpoint.tensor_parallel import saved_piece
+from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError
-from zerostate.frozen import RANK_STATE_KEY as FROZEN_KEY
-from zerostate.frozen import adapter_attrs, plan_frozen
-from zerostate.runtime.tp_checkpoint import saved_piece
 from zerostate.store import StepExistsError, TensorSpec
-from zerostate.store.mesh import stored_layout
+from zerostate.store.geometry import stored_layout
 from zerostate.store.root import CheckpointRoot
+
+if TYPE_CHECKING:
+    from zerostate.checkpoint.parts import EngineParts
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ Snapshot = Callable[[list[Piece], bool], tuple[dict[str, torch.Tensor], Callable
 def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
     """This rank's owned slice of every view (empty where it owns nothing); a view with a
     tp x dp layout gives its padded piece ([Note: tensor-parallel checkpoints] in
-    zerostate.runtime.tp_checkpoint)."""
+    zerostate.checkpoint.tensor_parallel)."""
     pieces = []
     for view in views:
         if view.mesh is not None:
@@ -87,7 +90,7 @@ class SaveSession:
 
     def __init__(
         self,
-        engine: Any,
+        parts: EngineParts,
         path: str,
         *,
         coordinator: Coordinator,
@@ -104,7 +107,7 @@ class SaveSession:
         stateful: dict | None,
         allow_older_step: bool,
     ) -> None:
-        self.engine, self.path, self.coordinator = engine, path, coordinator
+        self.parts, self.path, self.coordinator = parts, path, coordinator
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
         self._roots, self._saves, self._snapshot = roots, saves, snapshot
         self._timeout_s, self._blocking, self._progress = timeout_s, blocking, progress
@@ -118,19 +121,19 @@ class SaveSession:
         }
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        step = int(engine.optimizer_steps if step is None else step)
+        step = int(parts.optimizer_steps if step is None else step)
         if step < 0 or step > 99_999_999:
             raise ConfigError(f"step must be in [0, 99999999], got {step}")
         self.step = step
         #: The engine-state document this save records (computed once).
-        self.document = json_checked(engine.engine_state(), "engine state")
+        self.document = json_checked(parts.engine_state(), "engine state")
         self._attrs = {
             "engine": self.document,
             "client_state": json_checked(client_state, "client_state"),
             "saved_at_unix": time.time(),
-            **adapter_attrs(engine.module),
+            **adapter_attrs(parts.module),
         }
-        model_config = transformers_config(engine.module)
+        model_config = transformers_config(parts.module)
         if model_config is not None:
             self._attrs["model_config"] = model_config  # consolidate writes it as config.json
         self._views: list[Any] | None = None
@@ -140,7 +143,7 @@ class SaveSession:
     def views(self) -> list[Any]:
         """The engine's state views, listed once per save."""
         if self._views is None:
-            self._views = self.engine.state_views()
+            self._views = self.parts.state_views()
         return self._views
 
     @property
@@ -155,7 +158,7 @@ class SaveSession:
         root, save_id, latest, per_rank = self._prepare()
         step, error = self.step, None
         # Collective, never fails; ``latest``: rank 0's listing, so no rank lists again.
-        frozen = plan_frozen(self, root, step, latest if latest >= 0 else None)
+        frozen = reference_frozen(self, root, step, latest if latest >= 0 else None)
         try:
             attrs, objects = self._attrs, self._objects
             rank_state = {"rng": rng_state()}

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerostate import collectives
-from zerostate.comm import (
+from zerostate.dist import collectives
+from zerostate.dist.comm import (
     CommContext,
     InFlight,
     PendingOp,
@@ -69,8 +69,8 @@ from zerostate.comm import (
 )
 from zerostate.runtime import hollow
 from zerostate.runtime.grad_stand_in import GradStandIn
+from zerostate.runtime.sharded import FlatLayout, ShardedParam
 from zerostate.runtime.tp import LocalParam
-from zerostate.sharded import FlatLayout, ShardedParam
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

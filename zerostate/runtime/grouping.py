@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import nn
 
+from zerostate.runtime.sharded import ShardedParam
 from zerostate.runtime.tp import model_param
-from zerostate.sharded import ShardedParam
 
 UnitPolicy = Callable[[str, nn.Module], bool]
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from zerostate.runtime import hollow
+from zerostate.runtime.sharded import ShardedParam
 from zerostate.runtime.tp import empty_like_param, model_param
-from zerostate.sharded import ShardedParam
 
 
 def _module_seed(seed: int, name: str) -> int:

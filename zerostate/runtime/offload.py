@@ -37,7 +37,7 @@ from collections.abc import Iterator
 
 import torch
 
-from zerostate.sharded import ShardedParam
+from zerostate.runtime.sharded import ShardedParam
 
 log = logging.getLogger(__name__)
 HOST = torch.device("cpu")

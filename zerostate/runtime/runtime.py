@@ -54,17 +54,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from zerostate import collectives
-from zerostate.comm import CommContext, InFlight, all_gather_groups
-from zerostate.coordinator import Coordinator
+from zerostate.dist import collectives
+from zerostate.dist.comm import CommContext, InFlight, all_gather_groups
+from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import StageUsageError
 from zerostate.runtime.grad_stand_in import where_grads_are
 from zerostate.runtime.group import GroupPolicy, GroupState, ParamGroup
 from zerostate.runtime.grouping import assign_units, select_units, split_into_buckets
 from zerostate.runtime.init import materialise
 from zerostate.runtime.schedule import GatherSchedule, GroupMismatchError
+from zerostate.runtime.sharded import FlatLayout, ShardedParam
 from zerostate.runtime.tp import local_tensor, model_param
-from zerostate.sharded import FlatLayout, ShardedParam
 
 __all__ = ["GroupMismatchError", "GroupRuntime", "holds_no_values"]
 

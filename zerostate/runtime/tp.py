@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
-from zerostate.collectives import CommStats
+from zerostate.dist import collectives
+from zerostate.dist.collectives import CommStats
 from zerostate.errors import ConfigError
 
 SUPPORTED_PLACEMENTS = ("shard(0)", "shard(1)", "replicate")

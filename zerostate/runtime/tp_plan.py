@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from zerostate import collectives
+from zerostate.dist import collectives
 from zerostate.errors import ConfigError
 
 

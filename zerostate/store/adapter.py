@@ -3,7 +3,7 @@
 The engine records which parameters were frozen (``attrs["engine"]["frozen"]``); the
 export holds every other ``model/`` tensor (no buffers, no optimizer state). For a peft
 model the engine also recorded its adapter configuration at save (``attrs["peft"]``, see
-``zerostate.frozen.adapter_attrs``), and the export is then a directory that
+``zerostate.checkpoint.frozen.adapter_attrs``), and the export is then a directory that
 ``peft.PeftModel.from_pretrained(base, OUT)`` loads: ``adapter_model.safetensors`` with
 peft's key names (the adapter name left out, as ``get_peft_model_state_dict`` writes them)
 and ``adapter_config.json``. Streaming and atomic, as ``consolidate`` is.

@@ -38,7 +38,7 @@ from zerostate.errors import (
     FormatVersionError,
     UnsafeNameError,
 )
-from zerostate.partition import TensorLayout
+from zerostate.layout.partition import TensorLayout
 
 if sys.byteorder != "little":  # chunks are written straight from memory
     raise ImportError("zerostate.store supports little-endian hosts only")

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerostate import layout as layout_mod
 from zerostate.errors import ConfigError, CorruptCheckpointError, UnsafeNameError
-from zerostate.layout import MeshLayout
+from zerostate.layout import mesh_layout as layout_mod
+from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.store import format as fmt
-from zerostate.store import mesh as mesh_mod
+from zerostate.store import geometry as mesh_mod
 from zerostate.store import refs as refs_mod
 from zerostate.store.rows import GroupPlan, group_of, plan_groups, row_path
 

@@ -20,7 +20,7 @@ import torch
 from zerostate.errors import (
     CorruptCheckpointError,
 )
-from zerostate.partition import chunk_reads
+from zerostate.layout.partition import chunk_reads
 from zerostate.store import format as fmt
 from zerostate.store.format import ChunkedTensorInfo
 from zerostate.store.problems import Problem, raise_if_any

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from zerostate.errors import ConfigError
-from zerostate.layout import MeshLayout
-from zerostate.partition import even_layout, plan_layouts
-from zerostate.store import mesh as mesh_mod
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.layout.partition import even_layout, plan_layouts
+from zerostate.store import geometry as mesh_mod
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.rows import LazyShard
 from zerostate.store.sources import open_source

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from zerostate.errors import CheckpointError, ConfigError
-from zerostate.partition import TensorLayout, ceil_div
+from zerostate.layout.partition import TensorLayout, ceil_div
 
 TOP_GROUP = "_top"
 CHECKSUM_NBYTES = 4

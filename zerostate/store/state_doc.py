@@ -5,7 +5,7 @@ The engine writes the document (``Engine.engine_state``); the readers of peers'
 checkpoints build one for a DeepSpeed or DCP step
 (:func:`zerostate.store.foreign.base.foreign_engine_state`); ``consolidate``, ``reshard``
 and the CLI read its fields; a load checks it before anything else ([Note: planned load] in
-``zerostate.engine_state``). The versions live here, in the store, so that none of those
+``zerostate.checkpoint.load_plan``). The versions live here, in the store, so that none of those
 readers imports training code to know them ([Note: the store is the ground floor] in
 ``zerostate.store``).
 

@@ -149,10 +149,10 @@ class StepBase:
     def read_layout_many(self, requests: Iterable[LayoutRead]) -> None:
         """Fill each request's ``out`` with elements ``[start, stop)`` of flattened tp shard
         ``tp_index`` of tensor ``name`` laid out as ``target`` (a
-        :class:`~zerostate.layout.MeshLayout` of the tensor's global shape): what a rank of a
-        tp x dp mesh, or a target piece of ``reshard``, holds. Here: the logical segments of
-        that range, read with :meth:`read_many`; a format storing tp pieces plans the whole
-        range at once instead (format 3, ``reader_v2``)."""
+        :class:`~zerostate.layout.mesh_layout.MeshLayout` of the tensor's global shape): what a
+        rank of a tp x dp mesh, or a target piece of ``reshard``, holds. Here: the logical
+        segments of that range, read with :meth:`read_many`; a format storing tp pieces plans
+        the whole range at once instead (format 3, ``reader_v2``)."""
         logical = []
         for name, target, tp_index, start, stop, out in requests:
             for g, n, p in target.local_segments(tp_index, start, stop):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zerostate.partition import even_layout, plan_layouts
+from zerostate.layout.partition import even_layout, plan_layouts
 from zerostate.store import format as fmt
 from zerostate.store.writer import StepWriter, TensorSpec
 

@@ -38,11 +38,11 @@ from zerostate.errors import (
     DistributedMismatchError,
     LayoutError,
 )
-from zerostate.layout import MeshLayout
-from zerostate.partition import TensorLayout
+from zerostate.layout.mesh_layout import MeshLayout
+from zerostate.layout.partition import TensorLayout
 from zerostate.store import format as fmt
 from zerostate.store import format2
-from zerostate.store import mesh as mesh_mod
+from zerostate.store import geometry as mesh_mod
 from zerostate.store.format import ChunkRecord
 from zerostate.store.refs import TensorRef
 from zerostate.store.rows import LazyShard, Source, row_parts, row_path
@@ -65,7 +65,7 @@ class TensorSpec:
     mesh: MeshLayout | None = None
     """Set: the tensor is written as its tp x dp pieces ([Note: mesh tensors] in
     ``store/mesh.py``); ``shape`` is the logical shape and ``layout`` the stored array's
-    (:func:`zerostate.store.mesh.stored_layout`), and the step is format 3."""
+    (:func:`zerostate.store.geometry.stored_layout`), and the step is format 3."""
 
     def __post_init__(self) -> None:
         fmt.validate_name(self.name)
@@ -83,7 +83,8 @@ class TensorSpec:
         fmt.dtype_name(self.dtype, self.name)
         if not isinstance(self.layout, TensorLayout):
             raise ConfigError(
-                f"{self.name}: layout must be a TensorLayout (see zerostate.partition.plan_layouts)"
+                f"{self.name}: layout must be a TensorLayout "
+                "(see zerostate.layout.partition.plan_layouts)"
             )
         if self.mesh is not None:
             if not isinstance(self.mesh, MeshLayout) or tuple(self.mesh.shape) != shape:

@@ -111,7 +111,7 @@ class StepReaderTests:
         """``read_layout_many``: ranges of the tp shards of a tp 2 x dp 2 layout of every
         tensor (sharded on its last dim, as a row-parallel weight is) hold what the logical
         tensor has at their global segments."""
-        from zerostate.layout import MeshLayout
+        from zerostate.layout.mesh_layout import MeshLayout
 
         requests = []
         for name, info in case.step.tensors.items():

@@ -20,7 +20,7 @@ import torch
 
 from zerostate import jsonstate
 from zerostate.errors import CorruptCheckpointError
-from zerostate.partition import even_layout
+from zerostate.layout.partition import even_layout
 from zerostate.store.format import TensorInfo
 from zerostate.store.safe_unpickle import StoredTensor, TorchArchive
 from zerostate.store.state_doc import ENGINE_STATE_VERSION, OPTIMIZER_STATE_VERSION

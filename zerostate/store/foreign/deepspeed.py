@@ -513,7 +513,7 @@ DEEPSPEED_CLIPPING_DEFAULT = 1.0
 
 def _update_settings(config: dict) -> dict:
     """The settings of the saved run that change its update and that a zerostate engine
-    sets on its own ([Note: a peer's update settings] in zerostate.peer_settings): the
+    sets on its own ([Note: a peer's update settings] in zerostate.checkpoint.peer_settings): the
     effective gradient clipping (DeepSpeed clips at 1.0 when its config says nothing; 0
     disables). A value of the wrong type is left out rather than guessed."""
     clip = config.get("gradient_clipping", DEEPSPEED_CLIPPING_DEFAULT)
