@@ -179,7 +179,7 @@ def test_keep_last_keeps_the_newest_steps(tmp_path):
 
 
 def test_a_step_not_written_through_dcp_is_refused_in_one_line(tmp_path):
-    from zerostate.partition import even_layout
+    from zerostate.layout.partition import even_layout
     from zerostate.store import StepWriter, TensorSpec
 
     root = str(tmp_path / "ckpt")

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from zerostate import collectives
+from zerostate.dist import collectives
 from zerostate.errors import (
     ConfigError,
     CorruptCheckpointError,
 )
-from zerostate.partition import TensorLayout
+from zerostate.layout.partition import TensorLayout
 from zerostate.store import format as fmt
 from zerostate.store.writer import TensorSpec
 
