@@ -1299,6 +1299,7 @@ class Engine:
         storage_options: dict | None = None,
         stateful: dict | None = None,
         allow_older_step: bool = False,
+        tier: str = "durable",
     ) -> Any:
         """Collective: every rank writes its own partitions of master weights, Adam moments,
         buffers and RNG state under ``path/step-<step>/`` (a local path or fsspec URL).
@@ -1316,6 +1317,9 @@ class Engine:
         A root whose latest committed step is newer than ``step`` is refused unless this
         engine loaded from (or saved to) it: it is another run's; ``allow_older_step=True``
         saves there anyway.
+        ``tier="memory"`` writes the step into this node's memory directory with a replica
+        on another node, and copies it to ``path`` every ``memory_durable_every`` such saves
+        ([Note: memory tier] in zerostate.checkpoint.tiers); :meth:`load` finds it.
         """
 
         if self._torn:
@@ -1331,6 +1335,7 @@ class Engine:
                 storage_options=storage_options,
                 stateful=stateful,
                 allow_older_step=allow_older_step,
+                tier=tier,  # [Note: memory tier]
             )
 
         if self._mesh is None:

@@ -63,8 +63,10 @@ from zerostate.checkpoint.state import (
     saved_rng,
     transformers_config,
 )
+from zerostate.checkpoint.tier_load import load as load_tiers
+from zerostate.checkpoint.tiers import TIERS, MemoryTiers
 from zerostate.coordinator import Coordinator
-from zerostate.errors import CheckpointError
+from zerostate.errors import CheckpointError, ConfigError
 
 __all__ = [
     "DEFAULT_COMMIT_TIMEOUT_S",
@@ -120,6 +122,14 @@ class Checkpointer:
         self.saves = BackgroundSaves(self)
         self.snapshots = Snapshots()
         self.roots = EngineRoots()
+        config = getattr(engine, "config", None)  # [Note: memory tier] in .tiers
+        self.tiers = MemoryTiers(
+            self.coordinator,
+            directory=getattr(config, "memory_dir", None),
+            keep_last=getattr(config, "memory_keep_last", 2),
+            durable_every=getattr(config, "memory_durable_every", 10),
+            timeout_s=self.timeout_s,
+        )
         self._closed = False
 
     @property
@@ -165,9 +175,16 @@ class Checkpointer:
         progress: Callable[[int], None] | None = None,
         stateful: dict | None = None,
         allow_older_step: bool = False,
+        tier: str = "durable",
     ) -> SaveHandle:
         start = time.perf_counter()
         self._check_open()
+        if tier not in TIERS:
+            raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
+        memory = None
+        if tier == "memory":  # [Note: memory tier]: written before save() returns
+            memory = self.tiers.saving(self.roots.open(path, storage_options))
+            blocking = True
         session = SaveSession(
             self.engine,
             path,
@@ -184,6 +201,7 @@ class Checkpointer:
             progress=progress,
             stateful=stateful,
             allow_older_step=allow_older_step,
+            tier=memory,
         )
         return session.run(start)
 
@@ -198,6 +216,29 @@ class Checkpointer:
         strict_state: bool = False,
     ) -> Any:
         self._check_open()
+
+        def run(memory: Any, at: int | None) -> Any:  # memory: the memory tier's storage
+            return self._load_session(
+                path if memory is None else memory,
+                at,
+                None if memory is not None else storage_options,
+                strict,
+                stateful,
+                strict_state,
+            )
+
+        # [Note: memory tier]: the newest step this node's memory, its peers' or the root has
+        return load_tiers(self.tiers, self.roots.open(path, storage_options), step, run)
+
+    def _load_session(
+        self,
+        path: Any,
+        step: int | None,
+        storage_options: dict | None,
+        strict: bool,
+        stateful: dict | None,
+        strict_state: bool,
+    ) -> Any:
         session = LoadSession(
             self.engine,
             path,
@@ -234,5 +275,6 @@ class Checkpointer:
         self._closed = True
         try:
             self.saves.close()
+            self.tiers.close()
         finally:
             self.roots.close()

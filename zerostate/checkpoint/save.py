@@ -103,8 +103,11 @@ class SaveSession:
         progress: Callable[[int], None] | None,
         stateful: dict | None,
         allow_older_step: bool,
+        tier: Any = None,
     ) -> None:
         self.engine, self.path, self.coordinator = engine, path, coordinator
+        #: A :class:`~zerostate.checkpoint.tiers.MemorySave` for ``tier="memory"``, else None.
+        self.tier = tier
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
         self._roots, self._saves, self._snapshot = roots, saves, snapshot
         self._timeout_s, self._blocking, self._progress = timeout_s, blocking, progress
@@ -154,6 +157,8 @@ class SaveSession:
         """Save; ``start``: when ``save`` was entered (for the handle's ``blocked_s``)."""
         root, save_id, latest, per_rank = self._prepare()
         step, error = self.step, None
+        if self.tier is not None:  # [Note: memory tier] in zerostate.checkpoint.tiers
+            root, latest = self.tier.prepare(step), -1  # no references into the root
         # Collective, never fails; ``latest``: rank 0's listing, so no rank lists again.
         frozen = plan_frozen(self, root, step, latest if latest >= 0 else None)
         try:
@@ -182,6 +187,10 @@ class SaveSession:
         except Exception as exc:
             error = exc
         self.coordinator.agree(error, f"preparing save of step {step}")
+        if self.tier is not None:  # [Note: memory tier]: written, replicated, committed
+            self.tier.finish(self.coordinator, writer, shards, step)
+            future = self.tier.persist_maybe(step, self._keep_last)
+            return SaveHandle(step, self.path, future, time.perf_counter() - start)
         if self._blocking:
             self._write_and_commit(root, writer, shards)
             return SaveHandle(step, self.path, None, time.perf_counter() - start)
