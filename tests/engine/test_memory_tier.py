@@ -5,6 +5,7 @@ agents give them), gloo on CPU."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import torch
 from helpers_dist import run_distributed
@@ -86,3 +87,87 @@ def test_memory_save_load_two_nodes_one_rank_each(tmp_path):
         assert (step / "_zerostate/commit/zarr.json").exists()
         # Its own rank's row and the other node's replica: both rows of every group.
         assert (step / "model/c/0/0").exists() and (step / "model/c/1/0").exists()
+
+
+def _flip(path: str, at: int = 0) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _tiers_and_faults(rank: int, world_size: int, tmp: str, per_node: int) -> dict:
+    import torch.distributed as dist
+
+    mine = _node(rank, per_node, tmp)
+    root = os.path.join(tmp, "ckpt")
+    nodes = [os.path.join(tmp, f"shm-node{n}") for n in range(world_size // per_node)]
+    out: dict = {}
+    settings = {"stage": 2, "lr": 1e-2, "memory_keep_last": 2, "memory_durable_every": 2}
+
+    def fresh() -> zerostate.Engine:
+        return zerostate.Engine(_model(), **settings)
+
+    def loaded(tag: str) -> zerostate.Engine:
+        engine = fresh()
+        engine.load(root)
+        out[f"{tag}_step"] = engine.optimizer_steps
+        out[f"{tag}_equal"] = _same(_state(engine), saved[engine.optimizer_steps])
+        out[f"{tag}_report"] = engine._ckpt().tiers.last_report
+        return engine
+
+    saved: dict[int, dict] = {}
+    with fresh() as a:
+        for _ in range(5):
+            _train(a, 1)
+            handle = a.save(root, tier="memory")
+            saved[a.optimizer_steps] = _state(a)
+            handle.wait()  # steps 2 and 4: their copy to the root
+        out["memory_bytes"] = a._ckpt().tiers.nbytes()
+    dist.barrier()
+    run_dir = os.path.join(mine, f"run-{run_id(canonical_location(root))}")
+    out["memory_steps"] = sorted(p for p in os.listdir(run_dir) if p.startswith("step-"))
+    out["durable_steps"] = open_checkpoint(root).steps()
+    loaded("memory").close()
+    # A replaced machine: node 1's memory is gone; its ranks' rows come from the replicas.
+    dist.barrier()
+    if rank == per_node:
+        shutil.rmtree(nodes[1])
+    dist.barrier()
+    loaded("replica").close()
+    out["restored"] = os.path.exists(os.path.join(run_dir, "step-00000005", COMMIT))
+    # A damaged row in node 0's memory: the load falls back to the durable root.
+    dist.barrier()
+    if rank == 0:
+        _flip(os.path.join(nodes[0], os.path.basename(run_dir), "step-00000005", "model/c/0/0"))
+    dist.barrier()
+    loaded("damaged").close()
+    # Both nodes' memory lost: the newest durable step, said so.
+    dist.barrier()
+    if rank % per_node == 0:
+        shutil.rmtree(mine)
+    dist.barrier()
+    loaded("lost").close()
+    return out
+
+
+COMMIT = "_zerostate/commit/zarr.json"
+
+
+def test_memory_tier_retention_durable_copies_and_faults(tmp_path):
+    results = run_distributed(_tiers_and_faults, 2, str(tmp_path), 1)
+    for r in results:
+        assert r["memory_steps"] == ["step-00000004", "step-00000005"], r  # keep_last=2
+        assert r["durable_steps"] == [2, 4]  # every second memory save
+        assert r["memory_step"] == 5 and r["memory_equal"], r
+        assert r["replica_step"] == 5 and r["replica_equal"] and r["restored"], r
+        assert r["damaged_step"] == 4 and r["damaged_equal"], r
+        assert r["lost_step"] == 4 and r["lost_equal"], r
+    first = results[0]
+    assert "memory tier: 2 node(s) from their own memory" in first["memory_report"]
+    assert "node(s) [1] from their peers' replicas" in first["replica_report"]
+    assert (
+        "durable tier" in first["damaged_report"] and "failed to load" in (first["damaged_report"])
+    )
+    assert "durable tier" in first["lost_report"] and "holds no step" in first["lost_report"]

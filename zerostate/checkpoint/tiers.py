@@ -203,8 +203,8 @@ class MemorySave:
         if nodes.is_leader(rank):
             keep = self.tiers.keep_last
             try:
-                pinned = self.tiers.persist_step
-                if pinned is not None and pinned != step:
+                pinned, running = self.tiers.persist_step, self.tiers.persisting
+                if pinned is not None and running is not None and not running.done():
                     keep = max(keep, step - pinned + 1)  # never the step being persisted
                 tier.retain(keep, step)
             except Exception as exc:  # retention must not fail a good save
