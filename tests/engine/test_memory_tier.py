@@ -171,3 +171,64 @@ def test_memory_tier_retention_durable_copies_and_faults(tmp_path):
         "durable tier" in first["damaged_report"] and "failed to load" in (first["damaged_report"])
     )
     assert "durable tier" in first["lost_report"] and "holds no step" in first["lost_report"]
+
+
+def _save_four(rank: int, world_size: int, tmp: str) -> dict:
+    _node(rank, 2, tmp)
+    root = os.path.join(tmp, "ckpt")
+    with zerostate.Engine(_model(), stage=3, lr=1e-2, memory_durable_every=1) as a:
+        _train(a, 3)
+        a.save(root, tier="memory").wait()
+        state = _state(a)
+        again = zerostate.Engine(_model(), stage=3, lr=1e-2)
+        again.load(root)
+        equal = _same(_state(again), state)
+        report = again._ckpt().tiers.last_report
+        again.close()
+    open_checkpoint(root).step(3).verify()  # the durable copy is a whole, checked step
+    return {"state": state, "equal": equal, "report": report}
+
+
+def _load_two(rank: int, world_size: int, tmp: str, tamper: bool) -> dict:
+    _node(rank, 1, tmp)
+    root = os.path.join(tmp, "ckpt")
+    if tamper and rank == 0:  # node 0's run directory claims to be another run's
+        run_file = os.path.join(
+            tmp, "shm-node0", f"run-{run_id(canonical_location(root))}", "run.json"
+        )
+        with open(run_file, "r+b") as f:
+            raw = f.read().replace(b'"run_id": "', b'"run_id": "f')
+            f.seek(0)
+            f.write(raw)
+            f.truncate()
+    # Another root's memory steps are never looked at.
+    other = os.path.join(tmp, f"other-{tamper}")
+    with zerostate.Engine(_model(), stage=2, lr=1e-2) as c:
+        c.save(other)
+        c.load(other)
+        other_report = c._ckpt().tiers.last_report
+    with zerostate.Engine(_model(), stage=2, lr=1e-2) as b:
+        b.load(root)
+        return {
+            "state": _state(b),
+            "step": b.optimizer_steps,
+            "report": b._ckpt().tiers.last_report,
+            "other_report": other_report,
+        }
+
+
+def test_two_nodes_of_two_ranks_then_two_ranks_and_another_run(tmp_path):
+    saved = run_distributed(_save_four, 4, str(tmp_path))
+    assert all(r["equal"] for r in saved)
+    assert "step 3 from the memory tier: 2 node(s)" in saved[0]["report"]
+    # At 2 ranks (one per node directory) the 4-rank memory step is resharded.
+    loaded = run_distributed(_load_two, 2, str(tmp_path), False)
+    for r in loaded:
+        assert r["step"] == 3 and _same(r["state"], saved[0]["state"])
+        assert "durable tier" in r["other_report"], r
+    assert "step 3 from the memory tier" in loaded[0]["report"]
+    # A memory directory whose run.json names another run is refused: the root's step 3.
+    refused = run_distributed(_load_two, 2, str(tmp_path), True)
+    for r in refused:
+        assert r["step"] == 3 and _same(r["state"], saved[0]["state"])
+    assert "durable tier" in refused[0]["report"], refused[0]["report"]
