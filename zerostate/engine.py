@@ -1554,6 +1554,9 @@ class Engine:
         states and ``host_grads`` (the host staging buffer of the step's gradient shards)
         are on the host, and with ``offload="params"`` the parameter shards too.
 
+        ``memory_tier_bytes``: host memory (tmpfs) of this node's memory-tier steps of the
+        roots this engine saved to or loaded from (``save(..., tier="memory")``).
+
         Under tensor parallelism every count is of this rank's local tp shards (Psi/TP of a
         tp-sharded matrix, all of a tp-replicated parameter), partitioned over ``dp_shard``.
         """
@@ -1591,6 +1594,8 @@ class Engine:
             "host_bytes": host,
             "device_optimizer_bytes": master + optim - host_optim,
             "host_optimizer_bytes": host_optim,
+            # [Note: memory tier]: this node's files, not model state (not in total)
+            "memory_tier_bytes": self._checkpointer.tiers.nbytes() if self._checkpointer else 0,
         }
 
     def comm_stats(self, dim: str | None = None) -> dict[str, dict[str, int]]:

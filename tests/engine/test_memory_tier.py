@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
+import pytest
 import torch
+from cli_helpers import run_cli
 from helpers_dist import run_distributed
 from torch import nn
 
@@ -52,12 +55,14 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _save_load(rank: int, world_size: int, tmp: str, per_node: int, stage: int) -> dict:
+def _save_load(
+    rank: int, world_size: int, tmp: str, per_node: int, stage: int, blocking: bool
+) -> dict:
     _node(rank, per_node, tmp)
     root = os.path.join(tmp, "ckpt")
     with zerostate.Engine(_model(), stage=stage, lr=1e-2, memory_durable_every=None) as a:
         _train(a, 2)
-        handle = a.save(root, tier="memory")
+        handle = a.save(root, tier="memory", blocking=blocking)
         saved, moments = _state(a), _moments(a)
         _train(a, 2)  # move on, so the load has something to undo
     with zerostate.Engine(_model(), stage=stage, lr=1e-2, memory_durable_every=None) as b:
@@ -74,8 +79,11 @@ def _save_load(rank: int, world_size: int, tmp: str, per_node: int, stage: int) 
     return out
 
 
-def test_memory_save_load_two_nodes_one_rank_each(tmp_path):
-    results = run_distributed(_save_load, 2, str(tmp_path), 1, 2)
+@pytest.mark.parametrize("blocking", [False, True])
+def test_memory_save_load_two_nodes_one_rank_each(tmp_path, blocking):
+    # blocking=False: written, replicated and committed on the background thread, over a
+    # side group, while the next steps train (they wait for the snapshot only).
+    results = run_distributed(_save_load, 2, str(tmp_path), 1, 2, blocking)
     for r in results:
         assert r["step"] == 2 and r["equal"] and r["moments"], r
         assert r["durable"] == []  # memory only: nothing was written to the root
@@ -124,9 +132,10 @@ def _tiers_and_faults(rank: int, world_size: int, tmp: str, per_node: int) -> di
             handle = a.save(root, tier="memory")
             saved[a.optimizer_steps] = _state(a)
             handle.wait()  # steps 2 and 4: their copy to the root
-        out["memory_bytes"] = a._ckpt().tiers.nbytes()
+        out["memory_bytes"] = a.memory_stats()["memory_tier_bytes"]
+        out["row_bytes"] = _row_bytes(run_dir_of(mine, root))
     dist.barrier()
-    run_dir = os.path.join(mine, f"run-{run_id(canonical_location(root))}")
+    run_dir = run_dir_of(mine, root)
     out["memory_steps"] = sorted(p for p in os.listdir(run_dir) if p.startswith("step-"))
     out["durable_steps"] = open_checkpoint(root).steps()
     loaded("memory").close()
@@ -155,6 +164,19 @@ def _tiers_and_faults(rank: int, world_size: int, tmp: str, per_node: int) -> di
 COMMIT = "_zerostate/commit/zarr.json"
 
 
+def run_dir_of(memory_dir: str, root: str) -> str:
+    return os.path.join(memory_dir, f"run-{run_id(canonical_location(root))}")
+
+
+def _row_bytes(run_dir: str) -> dict[int, int]:
+    """Bytes of row objects per source rank, over every step of a run directory."""
+    out: dict[int, int] = {}
+    for path in Path(run_dir).glob("step-*/**/c/*/0"):
+        rank = int(path.parent.name)
+        out[rank] = out.get(rank, 0) + path.stat().st_size
+    return out
+
+
 def test_memory_tier_retention_durable_copies_and_faults(tmp_path):
     results = run_distributed(_tiers_and_faults, 2, str(tmp_path), 1)
     for r in results:
@@ -164,6 +186,11 @@ def test_memory_tier_retention_durable_copies_and_faults(tmp_path):
         assert r["replica_step"] == 5 and r["replica_equal"] and r["restored"], r
         assert r["damaged_step"] == 4 and r["damaged_equal"], r
         assert r["lost_step"] == 4 and r["lost_equal"], r
+        # Host RAM per node: its own rank's rows and the other node's replica, for the
+        # 2 kept steps, plus small documents.
+        rows = r["row_bytes"]
+        assert sorted(rows) == [0, 1] and rows[0] > 0 and rows[1] > 0, rows
+        assert sum(rows.values()) <= r["memory_bytes"] <= sum(rows.values()) + 64 * 1024, r
     first = results[0]
     assert "memory tier: 2 node(s) from their own memory" in first["memory_report"]
     assert "node(s) [1] from their peers' replicas" in first["replica_report"]
@@ -178,7 +205,7 @@ def _save_four(rank: int, world_size: int, tmp: str) -> dict:
     root = os.path.join(tmp, "ckpt")
     with zerostate.Engine(_model(), stage=3, lr=1e-2, memory_durable_every=1) as a:
         _train(a, 3)
-        a.save(root, tier="memory").wait()
+        a.save(root, tier="memory", blocking=False).wait()
         state = _state(a)
         again = zerostate.Engine(_model(), stage=3, lr=1e-2)
         again.load(root)
@@ -217,10 +244,15 @@ def _load_two(rank: int, world_size: int, tmp: str, tamper: bool) -> dict:
         }
 
 
-def test_two_nodes_of_two_ranks_then_two_ranks_and_another_run(tmp_path):
+def test_two_nodes_of_two_ranks_then_two_ranks_and_another_run(tmp_path, capsys, monkeypatch):
     saved = run_distributed(_save_four, 4, str(tmp_path))
     assert all(r["equal"] for r in saved)
     assert "step 3 from the memory tier: 2 node(s)" in saved[0]["report"]
+    # `zerostate inspect` on node 1 lists the memory step and the ranks held there: its
+    # own two and the two replicas of node 0's ranks.
+    monkeypatch.setenv("ZEROSTATE_MEMORY_DIR", str(tmp_path / "shm-node1"))
+    code, out, _ = run_cli(["inspect", str(tmp_path / "ckpt")], capsys)
+    assert code == 0 and "steps 3 (ranks 0-3 of 4 held here)" in out, out
     # At 2 ranks (one per node directory) the 4-rank memory step is resharded.
     loaded = run_distributed(_load_two, 2, str(tmp_path), False)
     for r in loaded:
@@ -232,3 +264,31 @@ def test_two_nodes_of_two_ranks_then_two_ranks_and_another_run(tmp_path):
     for r in refused:
         assert r["step"] == 3 and _same(r["state"], saved[0]["state"])
     assert "durable tier" in refused[0]["report"], refused[0]["report"]
+
+
+def _unwritable_node(rank: int, world_size: int, tmp: str) -> dict:
+    _node(rank, 1, tmp)
+    if rank == 1:  # node 1's memory directory lies under a regular file: cannot be made
+        blocker = os.path.join(tmp, "blocker")
+        Path(blocker).write_bytes(b"")
+        os.environ["ZEROSTATE_MEMORY_DIR"] = os.path.join(blocker, "shm")
+    root = os.path.join(tmp, "ckpt")
+    with zerostate.Engine(_model(), stage=2, lr=1e-2) as a:
+        _train(a, 1)
+        try:
+            a.save(root, tier="memory", blocking=False)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            error = f"{type(exc).__name__}: {exc}"
+        _train(a, 1)  # trains on after a refused save (its snapshot's fence released)
+        a.save(root)  # and the durable tier still saves
+    return {"error": error, "steps": open_checkpoint(root).steps()}
+
+
+def test_a_node_whose_memory_cannot_be_written_fails_the_save_on_every_rank(tmp_path):
+    results = run_distributed(_unwritable_node, 2, str(tmp_path))
+    assert "Not a directory" in results[1]["error"] or "NotADirectory" in results[1]["error"]
+    assert "rank(s) [1]" in results[0]["error"], results[0]
+    # Nothing committed in node 0's memory; the durable save afterwards is whole.
+    assert not list(tmp_path.glob("shm-node0/run-*/step-*/_zerostate/commit"))
+    assert all(r["steps"] == [2] for r in results)

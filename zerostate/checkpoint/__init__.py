@@ -184,7 +184,6 @@ class Checkpointer:
         memory = None
         if tier == "memory":  # [Note: memory tier]: written before save() returns
             memory = self.tiers.saving(self.roots.open(path, storage_options))
-            blocking = True
         session = SaveSession(
             self.engine,
             path,
@@ -228,7 +227,9 @@ class Checkpointer:
             )
 
         # [Note: memory tier]: the newest step this node's memory, its peers' or the root has
-        return load_tiers(self.tiers, self.roots.open(path, storage_options), step, run)
+        return load_tiers(
+            self.tiers, self.roots.open(path, storage_options), step, run, self.settle
+        )
 
     def _load_session(
         self,

@@ -35,14 +35,15 @@ class Choice:
 
 
 def choose(
-    tiers: MemoryTiers, durable: CheckpointRoot, step: int | None
+    tiers: MemoryTiers, durable: CheckpointRoot, step: int | None, settle: Callable[[], None]
 ) -> tuple[Choice | None, str]:
     """Collective: the memory step to load (None: the durable root's) and why."""
     coordinator = tiers.coordinator
     tier, nodes = tiers.tier(durable.location), tiers.nodes()
     holdings, note, error = [], "", None
     try:
-        tiers.wait()  # the durable copy in flight finishes first; its error is every rank's
+        settle()  # the save in flight, and the durable copy, finish first: their errors
+        tiers.wait()  # are every rank's
     except Exception as exc:
         error = exc
     try:
@@ -58,7 +59,9 @@ def choose(
         row += [h.step, h.world_size, h.record_crc] if h else [-1, -1, -1]
     rows = coordinator.exchange(row)
     coordinator.raise_if_failed(
-        error, [bool(r[0]) for r in rows], "the memory tier's copy to the durable root"
+        error,
+        [bool(r[0]) for r in rows],
+        "the save in flight or the memory tier's copy to the durable root",
     )
     if all(r[2] < 0 for r in rows):  # no memory step anywhere: the root's, as always
         return None, "the memory tier holds no step" + (
@@ -234,12 +237,13 @@ def load(
     durable: CheckpointRoot,
     step: int | None,
     run: Callable[[Any, int | None], Any],
+    settle: Callable[[], None],
 ) -> Any:
     """Collective: load the newest step any tier can assemble and say on rank 0 where it
     came from. ``run(storage, step)`` runs one ordinary load session, of the memory tier's
     storage or (``storage`` None) of the durable root as the caller named it."""
     coordinator = tiers.coordinator
-    choice, why = choose(tiers, durable, step)
+    choice, why = choose(tiers, durable, step, settle)
     if choice is not None:
         try:
             fetched = assemble(tiers, durable, choice)

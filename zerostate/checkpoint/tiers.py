@@ -60,6 +60,7 @@ from zerostate.checkpoint.transfer import (
     exchange_pairs,
     find_nodes,
     pack,
+    side_group,
     unpack,
 )
 from zerostate.coordinator import Coordinator
@@ -101,6 +102,8 @@ class MemoryTiers:
         self.persisting: Future | None = None
         self.persist_step: int | None = None
         self.said_single = False
+        self.side_made = False
+        self.side_coordinator: Coordinator | None = None
         #: The last load's one-line account of where its step came from.
         self.last_report: str | None = None
 
@@ -108,6 +111,14 @@ class MemoryTiers:
         if location not in self._tiers:
             self._tiers[location] = MemoryTier(memory_dir(self.directory), location)
         return self._tiers[location]
+
+    def side(self) -> Coordinator | None:
+        """Collective the first time: the coordinator background memory saves use
+        (:func:`~zerostate.checkpoint.transfer.side_group`; None: they run blocking)."""
+        if not self.side_made:
+            self.side_coordinator = side_group(self.coordinator)
+            self.side_made = True
+        return self.side_coordinator
 
     def nodes(self) -> Nodes:
         if self._nodes is None:
@@ -143,15 +154,26 @@ class MemorySave:
 
     def __init__(self, tiers: MemoryTiers, durable: CheckpointRoot, tier: MemoryTier) -> None:
         self.tiers, self.durable, self.tier = tiers, durable, tier
+        #: The coordinator of a background save's side group (None: on the caller's thread).
+        self.background: Coordinator | None = None
+        self.error: BaseException | None = None
 
-    def prepare(self, step: int) -> CheckpointRoot:
-        """Collective (in the session's preparation): the node's memory root, with steps
-        from ``step`` on (an abandoned timeline's) removed by the node leader."""
+    def prepare(self, step: int, blocking: bool, durable: CheckpointRoot) -> CheckpointRoot:
+        """Collective (in the session's preparation, before its agreement): the node's
+        memory root, with steps from ``step`` on (an abandoned timeline's) removed by the
+        node leader; for a background save its side coordinator (:attr:`background`, None:
+        run blocking). Never raises: a failure is kept for :meth:`check` (inside the
+        session's agreement) and ``durable`` returned, where nothing will be written."""
         nodes = self.tiers.nodes()
         coordinator = self.tiers.coordinator
-        root = self.tier.root
-        if nodes.is_leader(coordinator.rank):
-            self.tier.clear_from(step)
+        self.background = None if blocking else self.tiers.side()
+        try:
+            root = self.tier.root
+            if nodes.is_leader(coordinator.rank):
+                self.tier.clear_from(step)
+        except Exception as exc:
+            self.error = exc
+            return durable
         if nodes.partner[coordinator.rank] is None and not self.tiers.said_single:
             self.tiers.said_single = True
             if coordinator.rank == 0:
@@ -161,8 +183,24 @@ class MemorySave:
                 )
         return root
 
+    def check(self) -> None:
+        """Raise what :meth:`prepare` met."""
+        if self.error is not None:
+            raise self.error
+
+    def finish_background(
+        self, copy: Any, writer: Any, shards: dict, step: int, keep_last: int | None
+    ) -> None:
+        """The background thread's part: the deferred snapshot copy, then :meth:`finish` on
+        the side group, then the durable copy's turn."""
+        assert self.background is not None
+        if copy is not None:
+            copy()
+        self.finish(self.background, writer, shards, step)
+        self.persist_maybe(step, keep_last)
+
     def finish(self, coordinator: Coordinator, writer: Any, shards: dict, step: int) -> None:
-        """Write, replicate and commit (caller's thread; every phase agreed)."""
+        """Write, replicate and commit (every phase agreed on ``coordinator``'s group)."""
         tier, nodes, rank = self.tier, self.tiers.nodes(), coordinator.rank
         error, own = None, []
         try:
@@ -326,9 +364,17 @@ class MemorySave:
         storage.sync_dirs()
         put(fmt.manifest_path(rank), self.tier.read(step, fmt.manifest_path(rank)))
         storage.sync_dirs()
-        if rank != 0:
-            return
         deadline, delay = time.monotonic() + timeout_s, 0.01
+        if rank != 0:  # done when the step is: as an async save's ranks, they wait for it
+            while not self.durable.is_committed(step):
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"persisting memory step {step} to {self.durable.url}: rank {rank} "
+                        f"waited {timeout_s:g}s for rank 0's commit record"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.5)
+            return
         pending = set(range(world))
         while pending:
             for r in sorted(pending):

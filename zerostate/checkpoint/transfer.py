@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -110,6 +110,21 @@ def unpack(data: bytes | memoryview, where: str) -> list[tuple[str, memoryview]]
     return out
 
 
+def side_group(coordinator: Coordinator) -> Coordinator | None:
+    """Collective over the whole world: a coordinator of a new gloo group of the same ranks,
+    for the control traffic and transfers of a save running on a background thread (a
+    thread must not share a process group with the training thread's collectives). None
+    where that cannot be made alike on every process: a subgroup (tensor parallelism),
+    or no process group at all (then nothing needs one)."""
+    if not dist.is_available() or not dist.is_initialized() or coordinator.group is not None:
+        return None
+    group = dist.new_group(backend="gloo")
+    return replace(
+        coordinator.over(group, coordinator.rank, coordinator.world_size),
+        device=torch.device("cpu"),
+    )
+
+
 def _global(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
@@ -152,6 +167,8 @@ def exchange_pairs(
 
 def broadcast_bytes(coordinator: Coordinator, data: bytes | None, src: int) -> bytes:
     """Collective: rank ``src``'s bytes on every rank."""
+    if coordinator.world_size == 1:
+        return data or b""
     size = coordinator.exchange([len(data) if data is not None else 0])[src][0]
     group, device = coordinator.group, coordinator.device
     buf = _tensor(data, device) if coordinator.rank == src and data else None

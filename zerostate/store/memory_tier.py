@@ -86,6 +86,8 @@ class MemoryTier:
         self.run_id = run_id(location)
         self.path = os.path.join(base, f"run-{self.run_id}")
         self._root: CheckpointRoot | None = None
+        #: The newest step this process committed here (None: not known, so list).
+        self.newest: int | None = None
 
     def __repr__(self) -> str:
         return f"MemoryTier({self.path!r}, for {self.location!r})"
@@ -107,7 +109,9 @@ class MemoryTier:
             self._check_run_file(run_file)
         elif create:
             doc = fmt.group_document({_RUN_KEY: {"run_id": self.run_id, "location": self.location}})
-            partial = run_file + ".partial"
+            # The ranks of a node may create it together: each writes its own partial file
+            # and renames it over the same name (their contents are the same).
+            partial = f"{run_file}.{os.getpid()}.partial"
             with open(partial, "wb") as f:
                 f.write(doc)
             os.replace(partial, run_file)
@@ -211,6 +215,8 @@ class MemoryTier:
         """Delete every step >= ``step``, committed or not: a save of ``step`` starts a
         new timeline, and those steps are the old one's (a run resumed from an older
         step saves over them)."""
+        if self.newest is not None and step > self.newest:
+            return  # this engine's own timeline, newest step known: nothing newer to drop
         root = self.open(create=False)
         if root is None:
             return
@@ -222,6 +228,7 @@ class MemoryTier:
     def retain(self, keep_last: int, saved: int) -> None:
         """Keep the newest ``keep_last`` committed steps; remove partial steps below
         ``saved`` (crashed saves)."""
+        self.newest = saved
         self.root.prune(keep_last=keep_last, partial_below=saved, saved=saved)
 
 
