@@ -143,7 +143,7 @@ def assemble(tiers: MemoryTiers, durable: CheckpointRoot, choice: Choice) -> lis
     coordinator.agree(error, f"reading memory step {step} for another node")
     pending_commit: bytes | None = None
     for src, dst, what in items:
-        data = b""
+        data = bytearray()
         try:
             if rank == src:
                 data = pack(_files_of(tier, step, record, what))

@@ -261,7 +261,7 @@ class MemorySave:
             files.append((rel, self.tier.read(step, rel)))
         return files
 
-    def _write_replica(self, step: int, src: int, data: bytes) -> None:
+    def _write_replica(self, step: int, src: int, data: memoryview) -> None:
         """Check and write rank ``src``'s files: its manifest, then rows at the sizes the
         manifest states, under the paths this rank derives for ``src``."""
         where = f"replica of rank {src}'s memory step {step}"
@@ -298,7 +298,7 @@ class MemorySave:
         for r in nodes.ranks(node):
             has.update(nodes.source_of(r))
         leaders = sorted({nodes.leader(n) for n in set(nodes.node_of)})
-        sends: dict[int, bytes] = {}
+        sends: dict[int, bytes | bytearray] = {}
         for leader in leaders:
             theirs = set(nodes.ranks(nodes.node_of[leader]))
             for r in nodes.ranks(nodes.node_of[leader]):
@@ -309,7 +309,7 @@ class MemorySave:
         got = exchange_pairs(coordinator, sends, recvs)
         for src, data in got.items():
             where = f"manifest of rank {src} of memory step {step}"
-            manifest = fmt.parse_document(data, "zerostate_manifest", where)
+            manifest = fmt.parse_document(bytes(data), "zerostate_manifest", where)
             if (manifest.get("step"), manifest.get("rank")) != (step, src):
                 raise CheckpointError(f"{where} names another step or rank")
             self.tier.write(step, fmt.manifest_path(src), data)

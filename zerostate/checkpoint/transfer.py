@@ -77,10 +77,19 @@ def find_nodes(coordinator: Coordinator) -> Nodes:
 
 
 # ------------------------------------------------------------------------ bundles
-def pack(files: list[tuple[str, bytes]]) -> bytes:
-    """Files as one byte string: a JSON header ``[[path, nbytes], ...]`` then the bytes."""
+def pack(files: list[tuple[str, bytes]]) -> bytearray:
+    """Files as one byte string: a JSON header ``[[path, nbytes], ...]`` then the bytes
+    (one copy: a bytearray the transfer sends without copying again)."""
     header = json.dumps([[p, len(d)] for p, d in files]).encode()
-    return b"".join([struct.pack("<Q", len(header)), header, *(bytes(d) for _, d in files)])
+    out = bytearray(8 + len(header) + sum(len(d) for _, d in files))
+    view = memoryview(out)
+    view[:8] = struct.pack("<Q", len(header))
+    pos = 8 + len(header)
+    view[8:pos] = header
+    for _, data in files:
+        view[pos : pos + len(data)] = data
+        pos += len(data)
+    return out
 
 
 def unpack(data: bytes | memoryview, where: str) -> list[tuple[str, memoryview]]:
@@ -129,18 +138,16 @@ def _global(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _tensor(data: bytes, device: torch.device) -> torch.Tensor:
-    t = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    return t.to(device)
+def _tensor(data: bytes | bytearray, device: torch.device) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)  # frombuffer: writable
+    return torch.frombuffer(buffer, dtype=torch.uint8).to(device)
 
 
 def exchange_pairs(
-    coordinator: Coordinator, sends: dict[int, bytes], recvs: list[int]
-) -> dict[int, bytes]:
+    coordinator: Coordinator, sends: dict[int, bytes | bytearray], recvs: list[int]
+) -> dict[int, memoryview]:
     """Collective: send ``sends[dst]`` to each ``dst`` and receive from each rank in
     ``recvs``, all at once (sizes travel first in one all-gather of every rank's send
     sizes to every rank)."""
@@ -162,7 +169,8 @@ def exchange_pairs(
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    return {src: bytes(buf.cpu().numpy().tobytes()) for src, buf in inbox.items()}
+    # Views of the received tensors: no copy (they live as long as the views).
+    return {src: memoryview(buf.cpu().numpy()).cast("B") for src, buf in inbox.items()}
 
 
 def broadcast_bytes(coordinator: Coordinator, data: bytes | None, src: int) -> bytes:
