@@ -292,3 +292,49 @@ def test_a_node_whose_memory_cannot_be_written_fails_the_save_on_every_rank(tmp_
     # Nothing committed in node 0's memory; the durable save afterwards is whole.
     assert not list(tmp_path.glob("shm-node0/run-*/step-*/_zerostate/commit"))
     assert all(r["steps"] == [2] for r in results)
+
+
+def _interrupted_commits(rank: int, world_size: int, tmp: str) -> dict:
+    import torch.distributed as dist
+
+    mine = _node(rank, 1, tmp)
+    root = os.path.join(tmp, "ckpt")
+    saved: dict[int, dict] = {}
+    settings = {"stage": 2, "lr": 1e-2, "memory_durable_every": None, "memory_keep_last": 3}
+    with zerostate.Engine(_model(), **settings) as a:
+        for _ in range(2):
+            _train(a, 1)
+            a.save(root, tier="memory")
+            saved[a.optimizer_steps] = _state(a)
+    out = {}
+    step2 = os.path.join(run_dir_of(mine, root), "step-00000002", COMMIT)
+
+    def load(tag: str) -> None:
+        with zerostate.Engine(_model(), **settings) as b:
+            b.load(root)
+            out[tag] = (b.optimizer_steps, _same(_state(b), saved[b.optimizer_steps]))
+            out[f"{tag}_report"] = b._ckpt().tiers.last_report
+
+    # Stopped after node 0 wrote its commit record, before node 1 did: node 0's copy
+    # (its rows and node 1's replicas) is whole, and node 1 gets its step back from it.
+    dist.barrier()
+    if rank == 1:
+        os.remove(step2)
+    dist.barrier()
+    load("one_commit")
+    out["recommitted"] = os.path.exists(step2)
+    # Stopped before any commit record of step 2: the partial step is never read; step 1 is.
+    dist.barrier()
+    os.remove(step2)
+    dist.barrier()
+    load("no_commit")
+    return out
+
+
+def test_a_memory_step_is_loaded_whole_or_not_at_all(tmp_path):
+    results = run_distributed(_interrupted_commits, 2, str(tmp_path))
+    for r in results:
+        assert r["one_commit"] == (2, True) and r["recommitted"], r
+        assert r["no_commit"] == (1, True), r
+    assert "node(s) [1] from their peers' replicas" in results[0]["one_commit_report"]
+    assert "step 1 from the memory tier" in results[0]["no_commit_report"]
