@@ -182,7 +182,7 @@ class Checkpointer:
         if tier not in TIERS:
             raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
         memory = None
-        if tier == "memory":  # [Note: memory tier]: written before save() returns
+        if tier == "memory":  # [Note: memory tier] in zerostate.checkpoint.tiers
             memory = self.tiers.saving(self.roots.open(path, storage_options))
         session = SaveSession(
             self.engine,

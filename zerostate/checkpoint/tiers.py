@@ -6,7 +6,9 @@ assemble.
 ``engine.save(root, tier="memory")`` runs the ordinary save session (the save guard on the
 durable ``root``, the snapshot, one :class:`~zerostate.store.writer.StepWriter` per rank)
 with the writer pointed at this node's memory directory ([Note: memory tier layout] in
-zerostate.store.memory_tier) instead of ``root``, and then, on the caller's thread:
+zerostate.store.memory_tier) instead of ``root``. Then, on the caller's thread
+(``blocking=True``), or on the background thread behind the async snapshot fence over a
+gloo group of its own (``blocking=False``, see ``transfer.side_group``):
 
 1. every rank writes its rows and manifest into its node's memory directory (the writer);
 2. every rank sends those files to its *partner*, the rank of the same local index on the
@@ -20,10 +22,10 @@ zerostate.store.memory_tier) instead of ``root``, and then, on the caller's thre
 
 Each phase ends in an agreement ([Note: failing together] in zerostate.checkpoint), so a
 commit record exists on any node only after every rank's own rows and their replicas were
-written. The bytes travel over torch.distributed (send/recv of byte tensors on the
-engine's process group), never through a transport of our own; nothing received is
-trusted: paths are validated and rebuilt from what the receiver expects, sizes and
-checksums compared with the manifests and the commit record.
+written. The bytes travel over torch.distributed (send/recv of byte tensors), never
+through a transport of our own; nothing received is trusted: paths are validated and
+rebuilt from what the receiver expects, sizes and checksums compared with the manifests
+and the commit record.
 
 Every ``memory_durable_every`` memory saves the step is copied file by file from the
 memory directory to the durable root on a background thread (no second snapshot of the
