@@ -39,7 +39,17 @@ def _job(tmp: Path, name: str, *args: str, expect_ok: bool = True) -> list[str]:
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
         )
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:  # a job that hangs is ended: SIGTERM lets an agent end its workers first
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
     codes = [p.returncode for p in procs]
     if expect_ok:
         assert codes == [0, 0], "\n".join(o[-6000:] for o in outs)
