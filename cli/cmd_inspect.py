@@ -87,15 +87,60 @@ def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
     }
 
 
+def memory_steps(root: str) -> dict[str, Any] | None:
+    """This node's memory-tier steps of ``root`` ([Note: memory tier layout] in
+    zerostate.store.memory_tier): None when it has none; a refused directory says why."""
+    from zerostate.errors import CheckpointError
+    from zerostate.store.memory_tier import MemoryTier, memory_dir
+    from zerostate.store.storage import canonical_location
+
+    try:
+        tier = MemoryTier(memory_dir(), canonical_location(root))
+    except (CheckpointError, OSError, ValueError):
+        return None
+    if not tier.exists():
+        return None
+    try:
+        held = tier.holdings(newest=1000)
+    except (CheckpointError, OSError) as exc:
+        return {"directory": tier.path, "refused": str(exc), "steps": []}
+    steps = [
+        {"step": h.step, "world_size": h.world_size, "ranks_held": sorted(h.ranks)}
+        for h in sorted(held, key=lambda h: h.step)
+    ]
+    return {"directory": tier.path, "refused": None, "steps": steps}
+
+
+def _memory_text(memory: dict[str, Any]) -> str:
+    if memory["refused"]:
+        return f"memory tier {memory['directory']}: refused ({memory['refused']})"
+    parts = [
+        f"{m['step']} (ranks {_ranges(m['ranks_held'])} of {m['world_size']} held here)"
+        for m in memory["steps"]
+    ]
+    return f"memory tier {memory['directory']}: steps " + (", ".join(parts) or "none")
+
+
+def _ranges(ranks: list[int]) -> str:
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return ",".join(map(str, ranks)) or "none"
+
+
 def run(args: argparse.Namespace) -> int:
     ckpt, st = open_step(args)
     data = describe(ckpt, st, args.ckpt)
+    memory = memory_steps(args.ckpt) if isinstance(args.ckpt, str) else None
+    if memory is not None:  # only where this node has a memory tier of the root
+        data["memory_tier"] = memory
     if args.json:
         print_json(data)
         return 0
     steps = data["steps"]
     print(f"checkpoint {data['checkpoint']}")
     print(f"committed steps ({len(steps)}): {_step_list(steps)}")
+    if memory is not None:
+        print(_memory_text(memory))
     if data["partial_steps"]:
         print(
             f"partial steps (not committed: crashed or in-flight saves, ignored by loads): "

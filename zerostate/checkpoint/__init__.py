@@ -66,7 +66,9 @@ from zerostate.checkpoint.state import (
     saved_rng,
     transformers_config,
 )
-from zerostate.errors import CheckpointError
+from zerostate.checkpoint.tier_load import load as load_tiers
+from zerostate.checkpoint.tiers import TIERS, MemoryTiers
+from zerostate.errors import CheckpointError, ConfigError
 from zerostate.runtime.process_groups import watch_commit
 
 if TYPE_CHECKING:
@@ -125,6 +127,14 @@ class Checkpointer:
         self.saves = BackgroundSaves(self)
         self.snapshots = Snapshots()
         self.roots = EngineRoots()
+        config = parts.config  # [Note: memory tier] in .tiers
+        self.tiers = MemoryTiers(
+            self.coordinator,
+            directory=getattr(config, "memory_dir", None),
+            keep_last=getattr(config, "memory_keep_last", 2),
+            durable_every=getattr(config, "memory_durable_every", 10),
+            timeout_s=self.timeout_s,
+        )
         self._closed = False
 
     @property
@@ -170,9 +180,15 @@ class Checkpointer:
         progress: Callable[[int], None] | None = None,
         stateful: dict | None = None,
         allow_older_step: bool = False,
+        tier: str = "durable",
     ) -> SaveHandle:
         start = time.perf_counter()
         self._check_open()
+        if tier not in TIERS:
+            raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
+        memory = None
+        if tier == "memory":  # [Note: memory tier] in zerostate.checkpoint.tiers
+            memory = self.tiers.saving(self.roots.open(path, storage_options))
         session = SaveSession(
             self.parts,
             path,
@@ -189,6 +205,7 @@ class Checkpointer:
             progress=progress,
             stateful=stateful,
             allow_older_step=allow_older_step,
+            tier=memory,
         )
         return session.run(start)
 
@@ -215,6 +232,31 @@ class Checkpointer:
         strict_state: bool = False,
     ) -> Any:
         self._check_open()
+
+        def run(memory: Any, at: int | None) -> Any:  # memory: the memory tier's storage
+            return self._load_session(
+                path if memory is None else memory,
+                at,
+                None if memory is not None else storage_options,
+                strict,
+                stateful,
+                strict_state,
+            )
+
+        # [Note: memory tier]: the newest step this node's memory, its peers' or the root has
+        return load_tiers(
+            self.tiers, self.roots.open(path, storage_options), step, run, self.settle
+        )
+
+    def _load_session(
+        self,
+        path: Any,
+        step: int | None,
+        storage_options: dict | None,
+        strict: bool,
+        stateful: dict | None,
+        strict_state: bool,
+    ) -> Any:
         session = LoadSession(
             self.parts,
             path,
@@ -251,5 +293,6 @@ class Checkpointer:
         self._closed = True
         try:
             self.saves.close()
+            self.tiers.close()
         finally:
             self.roots.close()

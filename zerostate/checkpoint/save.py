@@ -106,8 +106,11 @@ class SaveSession:
         progress: Callable[[int], None] | None,
         stateful: dict | None,
         allow_older_step: bool,
+        tier: Any = None,
     ) -> None:
         self.parts, self.path, self.coordinator = parts, path, coordinator
+        #: A :class:`~zerostate.checkpoint.tiers.MemorySave` for ``tier="memory"``, else None.
+        self.tier = tier
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
         self._roots, self._saves, self._snapshot = roots, saves, snapshot
         self._timeout_s, self._blocking, self._progress = timeout_s, blocking, progress
@@ -156,10 +159,14 @@ class SaveSession:
     def run(self, start: float) -> SaveHandle:
         """Save; ``start``: when ``save`` was entered (for the handle's ``blocked_s``)."""
         root, save_id, latest, per_rank = self._prepare()
-        step, error = self.step, None
+        step, error, copy = self.step, None, None
+        if self.tier is not None:  # [Note: memory tier] in zerostate.checkpoint.tiers
+            root, latest = self.tier.prepare(step, self._blocking, root), -1  # no references
         # Collective, never fails; ``latest``: rank 0's listing, so no rank lists again.
         frozen = reference_frozen(self, root, step, latest if latest >= 0 else None)
         try:
+            if self.tier is not None:
+                self.tier.check()  # what its preparation met, agreed below
             attrs, objects = self._attrs, self._objects
             rank_state = {"rng": rng_state()}
             if per_rank:  # see [Note: per-rank stateful objects]
@@ -184,7 +191,22 @@ class SaveSession:
             shards, copy = self._snapshot(pieces, self._blocking)
         except Exception as exc:
             error = exc
-        self.coordinator.agree(error, f"preparing save of step {step}")
+        try:
+            self.coordinator.agree(error, f"preparing save of step {step}")
+        except BaseException:
+            # Nothing will write this snapshot: run its copy so that the fence it holds is
+            # released (else the next step would wait for it forever).
+            if copy is not None:
+                copy()
+            raise
+        if self.tier is not None and self.tier.background is not None:  # [Note: memory tier]
+            finish = self.tier.finish_background
+            run = lambda: finish(copy, writer, shards, step, self._keep_last)  # noqa: E731
+            return self._saves.submit(run, step, self.path, start)
+        if self.tier is not None:  # written, replicated and committed before save() returns
+            self.tier.finish(self.coordinator, writer, shards, step)
+            future = self.tier.persist_maybe(step, self._keep_last)
+            return SaveHandle(step, self.path, future, time.perf_counter() - start)
         if self._blocking:
             self._write_and_commit(root, writer, shards)
             return SaveHandle(step, self.path, None, time.perf_counter() - start)

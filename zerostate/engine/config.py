@@ -202,8 +202,27 @@ class EngineConfig:
     offload_threads: int | None = None
     """Host threads of the offloaded optimizer step (``torch.set_num_threads`` around the
     step); None leaves torch's setting."""
+    memory_dir: str | None = None
+    """This node's memory-tier directory for ``save(..., tier="memory")`` (None:
+    ``$ZEROSTATE_MEMORY_DIR``, else ``/dev/shm/zerostate``); ranks sharing it are one node.
+    Not compared across ranks: every node has its own."""
+    memory_keep_last: int = 2
+    """Memory-tier steps each node keeps (host RAM: that many of its rows and replicas)."""
+    memory_durable_every: int | None = 10
+    """Every that many memory-tier saves, the step is copied to the durable root in the
+    background; None: never."""
 
     def __post_init__(self) -> None:
+        if not _is_int(self.memory_keep_last) or self.memory_keep_last < 1:
+            raise ConfigError(f"memory_keep_last={self.memory_keep_last!r} must be an int >= 1")
+        if self.memory_durable_every is not None and (
+            not _is_int(self.memory_durable_every) or self.memory_durable_every < 1
+        ):
+            raise ConfigError(
+                f"memory_durable_every={self.memory_durable_every!r} must be an int >= 1 or None"
+            )
+        if self.memory_dir is not None and not isinstance(self.memory_dir, str):
+            raise ConfigError(f"memory_dir={self.memory_dir!r} must be a path (str) or None")
         if not _is_int(self.stage) or self.stage not in STAGES:
             raise ConfigError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         self.precision = _precision_name("precision", self.precision, allow_none=False)

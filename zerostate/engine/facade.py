@@ -443,6 +443,7 @@ class Engine:
         storage_options: dict | None = None,
         stateful: dict | None = None,
         allow_older_step: bool = False,
+        tier: str = "durable",
     ) -> Any:
         """Collective: every rank writes its own partitions of master weights, Adam moments,
         buffers and RNG state under ``path/step-<step>/`` (a local path or fsspec URL).
@@ -460,6 +461,9 @@ class Engine:
         A root whose latest committed step is newer than ``step`` is refused unless this
         engine loaded from (or saved to) it: it is another run's; ``allow_older_step=True``
         saves there anyway.
+        ``tier="memory"`` writes the step into this node's memory directory with a replica
+        on another node, and copies it to ``path`` every ``memory_durable_every`` such saves
+        ([Note: memory tier] in zerostate.checkpoint.tiers); :meth:`load` finds it.
         """
 
         self._parts.check_not_torn("save()")
@@ -474,6 +478,7 @@ class Engine:
                 storage_options=storage_options,
                 stateful=stateful,
                 allow_older_step=allow_older_step,
+                tier=tier,  # [Note: memory tier]
             )
 
         if self._mesh is None:
@@ -666,13 +671,18 @@ class Engine:
         paper's ``model_states`` (params + grads + master + optim_states), every working
         buffer by name, and the device / host split (see
         :func:`zerostate.engine.stats.memory_stats` for each key)."""
-        return stats.memory_stats(
+        out = stats.memory_stats(
             runtime=self._runtime,
             sharded=self._params,
             optimizer=self._optimizer,
             pool=self._pool,
             host_tier=self._host,
         )
+        # ``memory_tier_bytes``: host memory (tmpfs) of this node's memory-tier steps of the
+        # roots this engine saved to or loaded from; files, not model state (not in total).
+        # [Note: memory tier] in zerostate.checkpoint.tiers
+        out["memory_tier_bytes"] = self._checkpointer.tiers.nbytes() if self._checkpointer else 0
+        return out
 
     def comm_stats(self, dim: str | None = None) -> dict[str, dict[str, int]]:
         """Communication of the last completed optimizer step, per collective kind and in
