@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from zerostate.dist import collectives
 from zerostate.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -76,6 +75,10 @@ class _GlobalPlan:
 def _rank_of_caller(kwargs: dict) -> int:
     rank = kwargs.get("rank")
     if rank is None:
+        # Imported here: the CLI reads DCP steps through this package and loads no
+        # process-group code ([Note: the store is the ground floor] in zerostate.store).
+        from zerostate.dist import collectives
+
         rank = collectives.group_info(None)[0] if collectives.is_initialized() else 0
     return int(rank)
 
