@@ -12,11 +12,10 @@ import json
 import os
 import struct
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from zerostate.dist import collectives
 from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.store import format as fmt
@@ -125,17 +124,13 @@ def side_group(coordinator: Coordinator) -> Coordinator | None:
     thread must not share a process group with the training thread's collectives). None
     where that cannot be made alike on every process: a subgroup (tensor parallelism),
     or no process group at all (then nothing needs one)."""
-    if not dist.is_available() or not dist.is_initialized() or coordinator.group is not None:
+    if not collectives.is_initialized() or coordinator.group is not None:
         return None
-    group = dist.new_group(backend="gloo")
+    group = collectives.new_gloo_group()
     return replace(
         coordinator.over(group, coordinator.rank, coordinator.world_size),
         device=torch.device("cpu"),
     )
-
-
-def _global(group: Any, rank: int) -> int:
-    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _tensor(data: bytes | bytearray, device: torch.device) -> torch.Tensor:
@@ -154,21 +149,16 @@ def exchange_pairs(
     world, group, device = coordinator.world_size, coordinator.group, coordinator.device
     sizes_row = [len(sends.get(r, b"")) for r in range(world)]
     table = coordinator.exchange(sizes_row)  # table[src][dst]
-    ops, inbox = [], {}
+    inbox, receives, outgoing = {}, [], []
     for src in recvs:
         buf = torch.empty(table[src][coordinator.rank], dtype=torch.uint8, device=device)
         inbox[src] = buf
         if buf.numel():
-            ops.append(dist.P2POp(dist.irecv, buf, _global(group, src), group))
-    outgoing = []
+            receives.append((buf, src))
     for dst, data in sends.items():
         if data:
-            t = _tensor(data, device)
-            outgoing.append(t)
-            ops.append(dist.P2POp(dist.isend, t, _global(group, dst), group))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            outgoing.append((_tensor(data, device), dst))
+    collectives.send_and_receive(outgoing, receives, group=group)
     # Views of the received tensors: no copy (they live as long as the views).
     return {src: memoryview(buf.cpu().numpy()).cast("B") for src, buf in inbox.items()}
 
@@ -183,5 +173,5 @@ def broadcast_bytes(coordinator: Coordinator, data: bytes | None, src: int) -> b
     if buf is None:
         buf = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
-        dist.broadcast(buf, src=_global(group, src), group=group)
+        collectives.broadcast_from(buf, src, group=group)
     return bytes(buf.cpu().numpy().tobytes())

@@ -601,3 +601,27 @@ def agree(
             f"{what} failed on rank(s) {failed} (see the error rank {failed[0]} raised); "
             f"rank {rank}'s part succeeded{note}"
         )
+
+
+# -- point to point and byte transfers (the memory tier's replicas) -------------------------
+def new_gloo_group() -> Any:
+    """Collective over the whole world: a new gloo group of every rank (a background
+    thread's own group: it must not share one with the training thread's collectives)."""
+    return dist.new_group(backend="gloo")
+
+
+def send_and_receive(
+    sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]], *, group: Any
+) -> None:
+    """Send each ``(tensor, rank)`` and receive into each ``(tensor, rank)`` (ranks in
+    ``group``), all launched at once and waited for."""
+    ops = [dist.P2POp(dist.irecv, t, _global_rank(group, r), group) for t, r in receives]
+    ops += [dist.P2POp(dist.isend, t, _global_rank(group, r), group) for t, r in sends]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, *, group: Any) -> None:
+    """``tensor`` of rank ``src`` (a rank in ``group``) on every rank, in place."""
+    dist.broadcast(tensor, src=_global_rank(group, src), group=group)
