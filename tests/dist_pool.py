@@ -213,6 +213,7 @@ def _drop_caches() -> None:
         module = sys.modules.get(modname)
         if module is not None and hasattr(module, attr):
             setattr(module, attr, fresh)
+    _drop_dtensor_caches()
     step_base = sys.modules.get("zerostate.store.step_base")
     if step_base is not None:
         with step_base._idle_lock:
@@ -220,6 +221,28 @@ def _drop_caches() -> None:
             step_base._idle_pools.clear()
         for pool in idle:
             pool.shutdown(wait=True)
+
+
+def _drop_dtensor_caches() -> None:
+    """DTensor caches its sharding decisions (in Python and in C++) keyed by specs whose
+    ``DeviceMesh`` compares equal across process groups: a mesh of the same shape and names
+    built by the next call would get the previous call's groups, destroyed since ("Could not
+    resolve the process group registered under the name N"). A fresh process has no cache."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    with contextlib.suppress(AttributeError):
+        torch._C._clear_DTensor_sharding_propagator_cache()
+    with contextlib.suppress(AttributeError):
+        _redistribute.clear_redistribute_planner_cache()
+    with contextlib.suppress(AttributeError):
+        _redistribute._gen_transform_infos.cache_clear()
 
 
 def _drop_groups() -> None:

@@ -295,3 +295,31 @@ def test_a_fresh_rank_can_use_the_store_after_rank_0_has_ended() -> None:
         "done",
         "still here",
     ]
+
+
+def _dtensor_product(rank: int, world: int) -> dict:
+    """What DTensor had cached when the call began, then a matrix product over a new mesh
+    whose sum is partial (columns times rows), made whole on the mesh's own group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    cached = propagator.propagate_op_sharding.cache_info().currsize
+    cached += torch._C._get_DTensor_sharding_propagator_cache_stats()[1]
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
+    x = DTensor.from_local(torch.full((1, 1), float(rank + 1)), mesh, [Shard(1)])
+    w = DTensor.from_local(torch.ones(1, 1), mesh, [Shard(0)])
+    total = (x @ w).redistribute(mesh, [Replicate()]).to_local().item()
+    return {"pid": os.getpid(), "cached": cached, "total": total}
+
+
+def test_dtensor_caches_do_not_outlive_a_call() -> None:
+    """DTensor caches sharding decisions under specs whose meshes compare equal across
+    process groups, so a call building a mesh of the last call's shape would reach for the
+    last call's destroyed groups ("Could not resolve the process group registered under the
+    name N"). A fresh process has no cache: the pool drops them between calls."""
+    first = run_distributed(_dtensor_product, 2)
+    second = run_distributed(_dtensor_product, 2)
+    assert [r["pid"] for r in first] == [r["pid"] for r in second]  # the same pooled workers
+    assert [r["total"] for r in first + second] == [3.0] * 4
+    assert [r["cached"] for r in second] == [0, 0]
