@@ -29,9 +29,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from zerostate.dcp import StorageReader, StorageWriter
+from zerostate.dcp.staging import StagingBuffers
 from zerostate.errors import ConfigError, ZerostateError
 
 __all__ = ["load", "save"]
+
+#: The staging memory of every non-blocking save of this process: the copy of the last
+#: save is reused by the next once that save is done with it ([Note: reused staging
+#: buffers] in zerostate.dcp.staging).
+_STAGING = StagingBuffers()
 
 
 class _ModuleState(Stateful):
@@ -117,9 +123,11 @@ def save(
     future of the save (the state is staged first; training may go on), whose result is
     DCP's metadata once the step is committed; as with DCP's ``async_save``, pass a
     ``process_group`` of its own (a gloo group from torch.distributed's ``new_group``) when
-    training runs collectives while the save is in flight. ``keep_last`` keeps only the
-    newest that many committed steps."""
-    writer = StorageWriter(root, step, keep_last, storage_options=storage_options)
+    training runs collectives while the save is in flight. A non-blocking save copies the
+    state into host memory kept for the next one (one copy of this rank's state, reused
+    once the save before is done with it). ``keep_last`` keeps only the newest that many
+    committed steps."""
+    writer = StorageWriter(root, step, keep_last, storage_options=storage_options, staging=_STAGING)
     translated = _translated(state)
     try:
         if not blocking:
