@@ -226,13 +226,19 @@ class MemorySave:
         except Exception as exc:
             error = exc
         coordinator.agree(error, f"spreading the manifests of memory step {step}")
+        meta: Any = None
         try:
-            meta = None
             if rank == 0:
                 writer.commit(wait=False)
                 meta = pack(self._meta_files(step))
-            meta = broadcast_bytes(coordinator, meta, 0)
-            if rank != 0 and nodes.is_leader(rank):
+        except Exception as exc:
+            error = exc
+        # Every rank joins the broadcast, rank 0 also when its commit failed (it sends
+        # nothing): a collective one rank skips leaves the others waiting in it until the
+        # process group's timeout, and pairs their next collectives with the wrong ones.
+        meta = broadcast_bytes(coordinator, meta, 0)
+        try:
+            if meta and rank != 0 and nodes.is_leader(rank):
                 files = unpack(meta, f"metadata of memory step {step} from rank 0")
                 for rel, data in files:  # the commit record comes last in the bundle
                     tier.write(step, rel, data)
