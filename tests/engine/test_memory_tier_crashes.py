@@ -15,10 +15,12 @@ later storage operation of either rank fail (a poll of the library waiting for a
 rank fails too), so the files stay exactly as they were at that instant, a crash of every
 process at once; a rename that dies leaves its source half written (a torn write). The
 ranks unwind through their error paths, which can change nothing any more. Then fresh
-engines load three times: with both nodes' memory as the crash left it; with node 1's
-memory gone (a replaced machine); with both gone (durable tier only). What each must load
-is read off the files (the newest step with a commit record in what is left), not taken
-from the library.
+engines load: with both nodes' memory as the crash left it; then with node 1's memory
+gone (a replaced machine) after a crash point in the memory tier, with both nodes' gone
+(the durable root alone) after one in the durable copy (:data:`CASES`). What each must
+load is read off the files (the newest step with a commit record in what is left), not
+taken from the library. At every other point the last engine trains on: its next memory
+save, over whatever the crash left, must load exactly.
 
 Crash points are drawn with a fixed seed from the mutations a crash-free run of the same
 job counts: half among the memory tier's, half among the durable root's (the copy runs
@@ -321,14 +323,26 @@ def _job(rank: int, base: str, crash: CrashPoint) -> tuple[dict[int, tuple], str
     return saved, error
 
 
-def _load(root: str) -> tuple[int | None, tuple | None, str]:
+def _load(root: str, resume: bool) -> tuple[int | None, tuple | None, str, bool | None]:
+    """``(step, state, report, resumed)`` of a fresh engine's load; ``resume``: it trains
+    on, saves the next step to the memory tier over what the crash left, and another fresh
+    engine must load that step exactly (``resumed``; None: not tried)."""
     with zerostate.Engine(_model(), **SETTINGS) as engine:
         try:
             engine.load(root)
         except CheckpointNotFoundError as exc:
-            return None, None, f"not found: {exc}"
+            return None, None, f"not found: {exc}", None
         report = engine._ckpt().tiers.last_report or ""
-        return engine.optimizer_steps, _snapshot(engine), report
+        step, state = engine.optimizer_steps, _snapshot(engine)
+        if not resume:
+            return step, state, report, None
+        _train(engine)
+        after = (engine.optimizer_steps, _snapshot(engine))
+        engine.save(root, tier="memory")
+    with zerostate.Engine(_model(), **SETTINGS) as again:
+        again.load(root)
+        resumed = after[0] == again.optimizer_steps and _same(after[1], _snapshot(again))
+    return step, state, report, resumed
 
 
 def _sweep(rank: int, world_size: int, tmp: str) -> list[dict]:
@@ -367,6 +381,7 @@ def _sweep(rank: int, world_size: int, tmp: str) -> list[dict]:
             "all_lost": max(durable, default=None),
         }
         result: dict[str, Any] = {
+            "index": i,
             "kind": kind,
             "at": at,
             "op": counted["op"],
@@ -392,11 +407,14 @@ def _sweep(rank: int, world_size: int, tmp: str) -> list[dict]:
             if case == "all_lost":
                 shutil.rmtree(nodes[rank], ignore_errors=True)
             dist.barrier()
-            step, values, report = _load(root)
+            step, values, report, resumed = _load(
+                root, resume=case == CASES[kind][-1] and i % 2 == 0
+            )
             result[case] = {
                 "step": step,
                 "equal": values is not None and step in saved and _same(values, saved[step]),
                 "report": report,
+                "resumed": resumed,
             }
         out.append(result)
         i += 1
@@ -418,9 +436,15 @@ def test_crash_points_in_memory_saves_and_durable_copies_leave_a_whole_step(tmp_
                 got, want = r[case], r["expected"][case]
                 assert got["step"] == want, (case, r)
                 assert want is None or got["equal"], (case, r)
+                # Trained on from the last load: the next memory save, over whatever the
+                # crash left, loads exactly.
+                tried = case == CASES[r["kind"]][-1] and r["index"] % 2 == 0 and want is not None
+                assert got["resumed"] is (True if tried else None), (case, r)
     # The sweep reached into both tiers' saves and left partial steps behind. (Two ranks
     # racing may count a mutation or two fewer than the crash-free run: the last points
     # drawn may then come after the job's end.)
     assert sum(1 for r in points if r["crashed"]) >= 30, [r for r in points if not r["crashed"]]
     assert sum(1 for r in points if r["partial"]) >= 10, points
     assert {r["kind"] for r in points} == {"memory", "durable"}
+    resumed = [r for r in points for case in CASES[r["kind"]] if r[case]["resumed"]]
+    assert len(resumed) >= 4, points
