@@ -17,6 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from tests.dcp import cli_workers, workers
+from tests.helpers_dist import run_distributed
 from zerostate.dcp import StorageReader, StorageWriter, describe_step
 from zerostate.store import open_checkpoint
 from zerostate.store.sources import open_source
@@ -196,3 +198,107 @@ def test_consolidate_refuses_a_damaged_piece_naming_its_tensor(tmp_path):
     assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
     assert "model.0.weight (model/0.weight), the chunk at [0, 0]" in done.stderr
     assert "is damaged" in done.stderr and not out.exists()
+
+
+# ------------------------------------------------------------- FSDP2 on 2 gloo ranks
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> tuple[Path, dict]:
+    """An FSDP2 run (uneven Shard(0) over 2 ranks, AdamW) saved through our writer, with
+    its full state as saved and its weights after each of the next steps."""
+    root = tmp_path_factory.mktemp("fsdp2") / "ckpt"
+    results = run_distributed(cli_workers.save_fsdp2_and_continue, 2, str(root), timeout=600)
+    return root, results[0]
+
+
+def test_consolidate_of_fsdp2_equals_the_saved_state(fsdp2, tmp_path):
+    root, run = fsdp2
+    saved = run["saved"]
+    out = tmp_path / "model.safetensors"
+    done = _cli(["consolidate", str(root), str(out), "-q"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = load_file(out)
+    model = {k[6:]: v for k, v in saved.items() if k.startswith("model/")}
+    assert set(got) == set(model)
+    for key, tensor in model.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    with open_source(str(root)).step() as step:
+        assert step.world_size == 2
+        moments = {k: v for k, v in saved.items() if k.startswith("optim/") and v.dim()}
+        assert moments and set(moments) <= set(step.tensors)
+        for name, tensor in moments.items():
+            assert torch.equal(step.read(name), tensor), name
+        assert step.attrs["engine"]["step"] == 2  # AdamW's step count, from the scalars
+
+
+def test_reshard_of_fsdp2_there_and_back_gives_the_same_row_objects(fsdp2, tmp_path):
+    root, _ = fsdp2
+    for src, dst, world in ((root, "r3", 3), (tmp_path / "r3", "r2", 2)):
+        done = _cli(
+            ["reshard", str(src), str(tmp_path / dst), "--world-size", str(world)], tmp_path
+        )
+        assert done.returncode == 0, done.stderr
+        assert "(dp" in done.stdout
+    assert _boxes(tmp_path / "r3")["model.a.weight"] == [
+        ([0, 0], [2, 8], 0), ([2, 0], [2, 8], 1), ([4, 0], [1, 8], 2),
+    ]  # fmt: skip
+    assert _boxes(tmp_path / "r2") == _boxes(root)
+    assert _rows(tmp_path / "r2") == _rows(root)
+    assert len(_rows(root)) == 2
+    assert _cli(["verify", str(tmp_path / "r3")], tmp_path).returncode == 0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_engine_load_at_one_rank_continues_the_fsdp2_run(fsdp2, stage):
+    root, run = fsdp2
+    ours = run_distributed(cli_workers.engine_continue, 1, str(root), stage, timeout=600)[0]
+    assert ours["steps"] == 2 + cli_workers.NEXT_STEPS
+    worst = 0.0
+    for theirs, mine in zip(run["after"], ours["after"], strict=True):
+        assert set(theirs) == set(mine)
+        for name, value in theirs.items():
+            worst = max(worst, (mine[name] - value).abs().max().item())
+    print(f"stage {stage}: worst difference from FSDP2's own next steps {worst:.2e}")
+    assert worst <= 1e-5, worst
+
+
+# ------------------------------- a transformers Llama, FSDP2 + TP (dp_shard 2 x tp 2)
+@pytest.fixture(scope="module")
+def llama_tp(tmp_path_factory) -> tuple[Path, Path]:
+    """The same state saved through our writer and DCP's own (4 gloo ranks, 2-D boxes)."""
+    pytest.importorskip("transformers")
+    base = tmp_path_factory.mktemp("llama-tp")
+    ours, theirs = base / "ours", base / "theirs"
+    run_distributed(workers.save_fsdp2_tp, 4, str(ours), str(theirs), timeout=600)
+    return ours, theirs
+
+
+def test_consolidate_dir_of_fsdp2_tp_loads_with_from_pretrained(llama_tp, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import LlamaForCausalLM
+
+    ours, theirs = llama_tp
+    shown = _cli(["inspect", str(ours)], tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    # A row-parallel weight: columns over tp, rows over dp, four boxes on four ranks.
+    assert (
+        "model.model.layers.0.self_attn.o_proj.weight  40x40 float32: [0:20, 0:20] rank 0, "
+        "[0:20, 20:40] rank 1, [20:40, 0:20] rank 2, [20:40, 20:40] rank 3"
+    ) in shown.stdout, shown.stdout
+    out = tmp_path / "hf"
+    done = _cli(["consolidate", str(ours), f"{out}/", "-q"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    # DCP records no model config: the trainer's own config.json goes beside the weights.
+    workers.llama().config.save_pretrained(out)
+    loaded = LlamaForCausalLM.from_pretrained(out)
+    dcp_to_torch_save(str(theirs), str(tmp_path / "ref.pt"))
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)["model"]
+    got = loaded.state_dict()
+    assert set(ref) <= set(got)
+    for key, tensor in ref.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
+    # Resharded to FSDP2's layout at 2 ranks, the step consolidates to the same bytes.
+    done = _cli(["reshard", str(ours), str(tmp_path / "dp2"), "--world-size", "2"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    again = tmp_path / "again"
+    assert _cli(["consolidate", str(tmp_path / "dp2"), f"{again}/", "-q"], tmp_path).returncode == 0
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
