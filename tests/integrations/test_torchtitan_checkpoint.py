@@ -225,9 +225,17 @@ def _assert_bit_identical(got: dict, want: dict) -> None:
 def test_saves_keep_the_latest_k_steps_as_torchtitan_does(runs):
     ours, theirs = runs["zerostate"], runs["torchtitan"]
     # Saved at 2, 4 and 6, keep_latest_k 2: step 2 is gone. The last step (8) is saved
-    # model-only and purges nothing, in both.
-    assert ours["steps_after_crash"] == theirs["steps_after_crash"] == [4, 6]
-    assert ours["steps_at_end"] == theirs["steps_at_end"] == [4, 6, 8]
+    # model-only and purges nothing, as in torchtitan.
+    assert ours["steps_after_crash"] == [4, 6]
+    assert ours["steps_at_end"] == [4, 6, 8]
+    if runs["mode"] == "disabled":
+        assert theirs["steps_after_crash"] == [4, 6] and theirs["steps_at_end"] == [4, 6, 8]
+    else:
+        # torchtitan's async purge lists the folder while the step in flight may have no
+        # folder yet, and then keeps one step more (2, 4, 6 in one run): a race, so only
+        # "no fewer" is checked. The store deletes after the commit.
+        assert set(ours["steps_after_crash"]) <= set(theirs["steps_after_crash"])
+        assert set(ours["steps_at_end"]) <= set(theirs["steps_at_end"])
     # Same training before the crash: the managers do not change a step of it.
     assert ours["first"]["losses"] == theirs["first"]["losses"]
 
@@ -263,12 +271,16 @@ def test_exclude_from_loading_leaves_those_states_untouched(runs):
     if runs["mode"] != "disabled":
         pytest.skip("the load path does not depend on async_mode")
     dump = str(runs["zerostate"]["dump"])
-    settings = _settings("disabled", load_step=6, exclude_from_loading=["dataloader", "lr_scheduler"])
+    settings = _settings(
+        "disabled", load_step=6, exclude_from_loading=["dataloader", "lr_scheduler"]
+    )
     got = run_distributed(_job, WORLD, "zerostate", dump, settings, 0, perturb=True,
                           timeout=TIMEOUT)[0]  # fmt: skip
     assert got["step_after_load"] == 6  # train_state loaded
     assert got["position_after_load"] == 0 and got["lr_epoch_after_load"] == 0  # untouched
-    _assert_bit_identical(got["params_after_load"], runs["zerostate"]["resumed"]["params_after_load"])
+    _assert_bit_identical(
+        got["params_after_load"], runs["zerostate"]["resumed"]["params_after_load"]
+    )
 
 
 @pytest.mark.slow
@@ -309,6 +321,93 @@ def test_last_save_in_hf_writes_a_directory_initial_load_in_hf_reads(tmp_path):
                           perturb=True, hf=True, timeout=TIMEOUT)[0]  # fmt: skip
     assert got["loaded"] and got["step_after_load"] == 0
     _assert_bit_identical(got["params_after_load"], saved["final_params"])
+
+
+@pytest.mark.slow
+def test_async_with_pinned_mem_saves_what_a_synchronous_job_saves(runs, tmp_path):
+    """Pinned staging writes from a checkpoint process of its own, which the test pool's
+    (daemonic) workers may not start: this job runs under real ``torchrun``."""
+    if runs["mode"] != "disabled":
+        pytest.skip("compared with the synchronous job")
+    record = tmp_path / "pinned.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
+        str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")])))  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+               __file__, str(tmp_path), str(record)]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert proc.returncode == 0 and record.exists(), (proc.stdout + proc.stderr)[-4000:]
+    pinned = json.loads(record.read_text())
+    first = runs["zerostate"]["first"]["losses"]
+    assert pinned["losses"] == [first[step] for step in range(1, 6)]
+    assert pinned["steps"] == [2, 4]
+    # A synchronous job resumes from the pinned save's newest step and trains step 5 again.
+    settings = _settings("disabled")
+    got = run_distributed(_job, WORLD, "zerostate", str(tmp_path), settings, 5, perturb=True,
+                          timeout=TIMEOUT)[0]  # fmt: skip
+    assert got["step_after_load"] == 4 and got["position_after_load"] == 4
+    assert abs(got["losses"][5] - first[5]) <= 1e-6
+
+
+def _pinned_main(dump: str, record: str) -> None:
+    """One rank of the ``torchrun`` job of the pinned test: 5 steps, saving every 2."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    out = _job(rank, WORLD, "zerostate", dump, _settings("async_with_pinned_mem"), 5)
+    if rank == 0:
+        losses = [out["losses"][step] for step in range(1, 6)]
+        steps = _steps("zerostate", Path(dump) / "ckpt")
+        Path(record).write_text(json.dumps({"losses": losses, "steps": steps}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+class _Tokens(torch.utils.data.IterableDataset):
+    """A dataset with a resumable position, as torchtitan's text datasets have."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self):
+        while True:
+            self.position += 1
+            yield torch.full((4,), self.position)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def test_torchtitans_dataloader_state_is_stored_without_pickle(tmp_path):
+    pytest.importorskip("torchdata", reason="torchtitan's ParallelAwareDataloader needs it")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    from zerostate.dcp import StorageReader, StorageWriter
+    from zerostate.integrations.torchtitan import _dataloader_state
+
+    def loader():
+        return ParallelAwareDataloader(_Tokens(), dp_rank=0, dp_world_size=1, batch_size=2)
+
+    saved = loader()
+    batches = iter(saved)
+    next(batches), next(batches)
+    # As it is, its state is a pickle, which the store refuses, naming the key (DCP wraps
+    # the writer's error in its own).
+    with pytest.raises(CheckpointException, match="ConfigError.*dataloader.dp_rank_0"):
+        dcp.save({"dataloader": saved}, storage_writer=StorageWriter(tmp_path / "raw"))
+    dcp.save({"dataloader": _dataloader_state(saved)}, storage_writer=StorageWriter(tmp_path))
+    want = next(batches)
+    resumed = loader()
+    dcp.load({"dataloader": _dataloader_state(resumed)}, storage_reader=StorageReader(tmp_path))
+    assert torch.equal(next(iter(resumed)), want)
+    # Another dp world size is refused, as torchtitan refuses it.
+    other = ParallelAwareDataloader(_Tokens(), dp_rank=0, dp_world_size=2, batch_size=2)
+    with pytest.raises(Exception, match="dp world size 1"):
+        dcp.load({"dataloader": _dataloader_state(other)}, storage_reader=StorageReader(tmp_path))
 
 
 # ---------------------------------------------------------------- settings and import
@@ -354,3 +453,7 @@ def test_zerostate_does_not_import_torchtitan_and_the_module_says_what_is_missin
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = proc.stdout.strip()
     assert "\n" not in line and line.startswith("ImportError: ") and "torchtitan" in line, line
+
+
+if __name__ == "__main__":
+    _pinned_main(sys.argv[1], sys.argv[2])
