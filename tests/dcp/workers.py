@@ -245,7 +245,27 @@ def llama_layout(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    elif layout == "tp":
+        _tensor_parallel(model)
     return model, _llama_opt(model)
+
+
+def _tensor_parallel(model: nn.Module) -> None:
+    """Tensor parallelism only, over every rank (no FSDP): the rest is replicated."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    plan = {}
+    for i in range(len(model.model.layers)):
+        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
+        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
+    parallelize_module(model, mesh, plan)
 
 
 def save_fsdp2_tp(rank: int, world_size: int, ours: str, theirs: str) -> dict:
@@ -281,6 +301,100 @@ def load_llama(rank: int, world_size: int, kind: str, path: str, layout: str) ->
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     full = _full(model, opt)
     return full if rank == 0 else {}
+
+
+# The torchtitan way end to end: LLAMA_TRAIN_STEPS steps at dp_shard 2 x tp 2, saved; loads at
+# other layouts continue LLAMA_RESUME_STEPS steps on the same global batches.
+LLAMA_TRAIN_STEPS, LLAMA_RESUME_STEPS, LLAMA_GLOBAL_BATCH = 3, 2, 4
+
+
+def _data_parallel(layout: str, rank: int, world_size: int) -> tuple[int, int]:
+    """``(dp rank, dp size)`` of a rank in ``layout``: tp peers share a dp rank."""
+    if layout == "dp2xtp2":
+        return rank // 2, world_size // 2  # mesh (dp, tp): ranks [[0, 1], [2, 3]]
+    if layout == "dp":
+        return rank, world_size
+    return 0, 1  # tp or plain: every rank sees the whole batch
+
+
+def _llama_global_step(
+    model: nn.Module, opt: torch.optim.Optimizer, step: int, dp: tuple[int, int]
+) -> None:
+    """One AdamW step on this dp rank's equal slice of global batch ``step``: every layout
+    trains on the same data."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    batch = torch.randint(0, LLAMA_VOCAB, (LLAMA_GLOBAL_BATCH, 6), generator=gen)
+    dp_rank, dp_size = dp
+    rows = LLAMA_GLOBAL_BATCH // dp_size
+    x = batch[dp_rank * rows : (dp_rank + 1) * rows]
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def train_save_llama(
+    rank: int, world_size: int, ours: str, theirs: str, options: dict | None
+) -> dict:
+    """dp_shard 2 x tp 2, LLAMA_TRAIN_STEPS AdamW steps, then ``{"model", "optim"}`` from
+    ``get_state_dict`` saved into ``ours`` with ``dcp.save`` (step 0) and ``dcp.async_save``
+    with thread staging (step 1), and (``theirs`` given) with DCP's ``FileSystemWriter``.
+    Returns the steps written and, from rank 0, the full state saved."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from zerostate.dcp import StorageWriter
+
+    torch.set_num_threads(1)
+    model, opt = llama_layout("dp2xtp2")
+    dp = _data_parallel("dp2xtp2", rank, world_size)
+    for step in range(LLAMA_TRAIN_STEPS):
+        _llama_global_step(model, opt, step, dp)
+    state = state_of(model, opt)
+    steps = []
+    writer = StorageWriter(ours, storage_options=options)
+    dcp.save(state, storage_writer=writer)
+    steps.append(writer.step)
+    writer = StorageWriter(ours, storage_options=options)
+    future = dcp.async_save(
+        state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD
+    )
+    future.result()
+    steps.append(writer.step)
+    if theirs:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(theirs))
+    full = _full(model, opt)
+    return {"steps": steps, "full": full if rank == 0 else {}}
+
+
+def resume_llama(rank: int, world_size: int, layout: str, sources: list[tuple]) -> list[dict]:
+    """For each source ``(kind, path, step, storage_options)``: a fresh Llama of ``layout``
+    (after a step of its own, so every value differs) loaded through our reader (``kind``
+    "ours", ``step`` None for the newest) or DCP's (``"theirs"``), then LLAMA_RESUME_STEPS
+    more steps on the global batches after the saved run's. Rank 0 returns, per source, the
+    full state after the load and after the steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from zerostate.dcp import StorageReader
+
+    torch.set_num_threads(1)
+    dp = _data_parallel(layout, rank, world_size)
+    out = []
+    for kind, path, step, options in sources:
+        model, opt = llama_layout(layout)
+        _llama_step(model, opt, seed=50 + dp[0])
+        state = state_of(model, opt)
+        if kind == "ours":
+            reader = StorageReader(path, step=step, storage_options=options)
+        else:
+            reader = dcp.FileSystemReader(path)
+        dcp.load(state, storage_reader=reader)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = _full(model, opt)
+        for i in range(LLAMA_RESUME_STEPS):
+            _llama_global_step(model, opt, LLAMA_TRAIN_STEPS + i, dp)
+        out.append({"loaded": loaded, "trained": _full(model, opt)})
+    return out if rank == 0 else []
 
 
 def async_process_save(rank: int, world_size: int, root: str) -> dict:
