@@ -518,9 +518,9 @@ def _gather(value: Any) -> torch.Tensor:
     if isinstance(value, DTensor):
         from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-        if isinstance(value._local_tensor, LocalShardsWrapper):
+        local = value.to_local()
+        if isinstance(local, LocalShardsWrapper):
             full = torch.zeros(value.shape)
-            local = value._local_tensor
             for shard, o in zip(local.local_shards(), local.local_offsets(), strict=True):
                 full[o[0] : o[0] + shard.shape[0], o[1] : o[1] + shard.shape[1]] = shard
             dist.all_reduce(full)  # blocks are disjoint: the sum places them
