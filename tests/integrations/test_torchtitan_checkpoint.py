@@ -380,11 +380,20 @@ class _Tokens(torch.utils.data.IterableDataset):
         self.position = state["position"]
 
 
+def _stored_values(root) -> str:
+    """The non-tensor values of the newest step at ``root``, as the JSON stored."""
+    import json
+
+    from zerostate.store import open_checkpoint
+
+    with open_checkpoint(str(root)).step() as step:
+        return json.dumps(step.attrs["dcp"]["values"])
+
+
 def test_torchtitans_dataloader_state_is_stored_without_pickle(tmp_path):
     if not os.environ.get("ZEROSTATE_REQUIRE_TORCHTITAN"):  # the scripts install it
         pytest.importorskip("torchdata", reason="torchtitan's ParallelAwareDataloader needs it")
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
     from zerostate.dcp import StorageReader, StorageWriter
@@ -396,11 +405,13 @@ def test_torchtitans_dataloader_state_is_stored_without_pickle(tmp_path):
     saved = loader()
     batches = iter(saved)
     next(batches), next(batches)
-    # As it is, its state is a pickle, which the store refuses, naming the key (DCP wraps
-    # the writer's error in its own).
-    with pytest.raises(CheckpointException, match="ConfigError.*dataloader.dp_rank_0"):
-        dcp.save({"dataloader": saved}, storage_writer=StorageWriter(tmp_path / "raw"))
+    # As it is, its state is a pickle: the store keeps it as opaque bytes, and torchtitan's
+    # own load_state_dict would unpickle them. Through the manager's wrapper the step holds
+    # the plain state instead, and no bytes at all.
+    dcp.save({"dataloader": saved}, storage_writer=StorageWriter(tmp_path / "raw"))
+    assert "__zs_bytes__" in _stored_values(tmp_path / "raw")
     dcp.save({"dataloader": _dataloader_state(saved)}, storage_writer=StorageWriter(tmp_path))
+    assert "__zs_bytes__" not in _stored_values(tmp_path)
     want = next(batches)
     resumed = loader()
     dcp.load({"dataloader": _dataloader_state(resumed)}, storage_reader=StorageReader(tmp_path))
