@@ -1,20 +1,36 @@
 """FSDP2 state through torch's checkpoint API: zerostate's storage plug-in
-(``zerostate.dcp.StorageWriter``) against DCP's ``FileSystemWriter``, same state, same disk,
-interleaved in one run.
+(``zerostate.dcp.StorageWriter`` / ``StorageReader``) against DCP's ``FileSystemWriter`` /
+``FileSystemReader`` and against torch-checkpointing's ``CheckpointManager`` (when installed:
+the ``bench`` extra), same state, same disk, interleaved in one run.
 
     torchrun --nproc-per-node 2 -m benchmarks.dcp_plugin --dir /tmp/bench --rounds 3
 
-Per round, in alternating order: a blocking ``dcp.save`` with each writer (seconds from a
-common start until the slowest rank returns: every byte durable, both writers fsync), and
-an ``async_save`` with each (seconds the call blocks). Rank 0 prints one JSON object: every
-round's times, the medians, and the ratios (throughput ours / DCP's, blocked time ours /
-DCP's). The GPT-2 ``io`` preset (~26M parameters, fp32 weights and both AdamW moments).
+Per round, in alternating order:
+- a blocking save with each (seconds from a common start until the slowest rank returns).
+  Ours and DCP's fsync every file; torch-checkpointing's buffered writes are not fsynced
+  (its O_DIRECT mode fails here on a file's unaligned tail), so its time excludes the disk;
+  ``torch_checkpointing_fsynced`` is the same save followed by an fsync of every file and
+  directory it wrote: the time until its bytes are as durable as ours;
+- an ``async_save`` with each (seconds the call blocks the training loop). Each contender
+  keeps one saver across rounds, as a training loop does: ours is its own stager (buffers
+  reused once the previous save is done with them), DCP's default stager copies into new
+  memory each time, and, where an accelerator is present (it pins memory), DCP's
+  ``cache_staged_state_dict=True`` writer (reused buffers, no check that the previous save
+  finished) is measured too. torch-checkpointing's async
+  manager stages in the background; its blocked time is its ``save`` call;
+- a layout-changing load: the state the FSDP2 ranks saved (rows split over ranks) read into
+  targets split by columns (``Shard(1)``; 1-D tensors replicated), so every rank needs a part
+  of every saved chunk: our reader on our step vs ``FileSystemReader`` on DCP's.
+Rank 0 prints one JSON object: every round's times, the medians, the ratios (save throughput
+ours over each peer's, blocked time and load time ours over DCP's) and the objects per step.
+The GPT-2 ``io`` preset (~26M parameters: fp32 weights and both AdamW moments).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import time
@@ -27,12 +43,14 @@ import torch.distributed as dist
 def _state(preset: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from benchmarks.common import MODELS
     from benchmarks.contenders import batches, build_model, fully_shard_model
 
     model = build_model(preset, torch.device("cpu"))
     fully_shard_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = batches(preset, dist.get_rank(), 2, 64, 1, torch.device("cpu"))[0]
+    seq = min(64, MODELS[preset]["n_positions"])
+    batch = batches(preset, dist.get_rank(), 2, seq, 1, torch.device("cpu"))[0]
     model(batch[:, :-1], batch[:, 1:]).backward()
     opt.step()
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -50,14 +68,23 @@ def _nbytes(state: dict) -> int:
     return total
 
 
-def _writer(who: str, base: Path, tag: str):
-    import torch.distributed.checkpoint as dcp
+def _by_columns(value):
+    """A target of ``value``'s structure whose DTensors are split by columns (``Shard(1)``,
+    1-D ones replicated), zero-filled."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import zeros as dzeros
 
-    from zerostate.dcp import StorageWriter
-
-    if who == "ours":
-        return StorageWriter(str(base / "ours"))  # one root, the step advances
-    return dcp.FileSystemWriter(str(base / f"dcp-{tag}"))
+    if isinstance(value, dict):
+        return {k: _by_columns(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_by_columns(v) for v in value]
+    if isinstance(value, DTensor):
+        placement = Shard(1) if value.dim() >= 2 else Replicate()
+        return dzeros(value.shape, dtype=value.dtype, device_mesh=value.device_mesh,
+                      placements=[placement])  # fmt: skip
+    if isinstance(value, torch.Tensor):
+        return torch.zeros_like(value)
+    return value
 
 
 def _timed(fn) -> float:
@@ -68,8 +95,44 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _count_files(path: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and every directory (what this rank can see; ranks
+    share the disk, so each syncs all, and the slowest rank's time counts)."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _torch_checkpointing(sync: bool):
+    try:
+        from torch_checkpointing import CheckpointManager
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+    except ImportError:
+        return None
+    config = CheckpointManager.Config.with_sync_save() if sync else CheckpointManager.Config()
+    # Its O_DIRECT writes fail on a file's unaligned tail on this disk (EINVAL at close):
+    # buffered writes, which it does not fsync.
+    config.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+    return CheckpointManager(config)
+
+
 def main() -> None:
     import torch.distributed.checkpoint as dcp
+
+    from zerostate.dcp import StorageReader, StorageWriter
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
@@ -78,7 +141,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     base = Path(args.dir)
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)
@@ -91,47 +154,111 @@ def main() -> None:
     # async_save's collectives run on a thread: their own group, so that they never
     # interleave with this thread's barriers on the default one (a hang).
     async_group = dist.new_group(backend="gloo")
-    save = {"ours": [], "dcp": []}
-    blocked = {"ours": [], "dcp": []}
+
+    tc_sync, tc_async = _torch_checkpointing(True), _torch_checkpointing(False)
+    ours_sync = StorageWriter(str(base / "ours"))  # one root, the step advances
+    ours_async = StorageWriter(str(base / "ours-async"))
+    dcp_cached = dcp.FileSystemWriter(str(base / "unused"), cache_staged_state_dict=True)
+
+    def save(who: str, tag: str) -> None:
+        if who == "ours":
+            dcp.save(state, storage_writer=ours_sync)
+        elif who == "dcp":
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(base / f"dcp-{tag}")))
+        elif who == "torch_checkpointing":
+            tc_sync.save(str(base / f"tc-{tag}"), state)  # type: ignore[union-attr]
+        else:  # the same, then its files forced to disk as ours and DCP's are
+            tc_sync.save(str(base / f"tcd-{tag}"), state)  # type: ignore[union-attr]
+            _fsync_tree(base / f"tcd-{tag}")
+
+    def start_async(who: str, tag: str):
+        if who == "ours":
+            return dcp.async_save(state, storage_writer=ours_async, process_group=async_group)
+        if who == "dcp":
+            writer = dcp.FileSystemWriter(str(base / f"dcpa-{tag}"))
+            return dcp.async_save(state, storage_writer=writer, process_group=async_group)
+        if who == "dcp_cached":
+            return dcp.async_save(
+                state, storage_writer=dcp_cached, checkpoint_id=str(base / f"dcpc-{tag}"),
+                process_group=async_group,
+            )  # fmt: skip
+        return tc_async.save(str(base / f"tca-{tag}"), state)  # type: ignore[union-attr]
+
+    savers = ["ours", "dcp"]
+    savers += ["torch_checkpointing", "torch_checkpointing_fsynced"] if tc_sync else []
+    # DCP's caching stager pins its buffers: it needs an accelerator.
+    async_savers = ["ours", "dcp"] + (["dcp_cached"] if torch.cuda.is_available() else [])
+    async_savers += ["torch_checkpointing"] if tc_async is not None else []
+    save_s: dict[str, list[float]] = {k: [] for k in savers}
+    blocked: dict[str, list[float]] = {k: [] for k in async_savers}
+    load_s: dict[str, list[float]] = {"ours": [], "dcp": []}
     for r in range(args.rounds):
-        order = ("ours", "dcp") if r % 2 == 0 else ("dcp", "ours")
-        for who in order:
-            writer = _writer(who, base, f"{r}-sync")
-            save[who].append(_timed(lambda w=writer: dcp.save(state, storage_writer=w)))
-        for who in order:
-            writer = _writer(who, base, f"{r}-async")
+        flip = r % 2 == 1
+        for who in reversed(savers) if flip else savers:
+            save_s[who].append(_timed(lambda w=who, t=str(r): save(w, t)))
+        for who in reversed(async_savers) if flip else async_savers:
             future = None
 
-            def start(w=writer) -> None:
+            def start(w=who, t=str(r)) -> None:
                 nonlocal future
-                future = dcp.async_save(state, storage_writer=w, process_group=async_group)
+                future = start_async(w, t)
 
             blocked[who].append(_timed(start))
-            future.result()  # type: ignore[union-attr]
+            if future is not None:
+                future.result()
             dist.barrier()
+        for who in ("dcp", "ours") if flip else ("ours", "dcp"):
+            target = _by_columns(state)
+            if who == "ours":
+                reader = StorageReader(str(base / "ours"), step=r)
+            else:
+                reader = dcp.FileSystemReader(str(base / f"dcp-{r}"))
+            load_s[who].append(_timed(lambda t=target, rd=reader: dcp.load(t, storage_reader=rd)))
         if rank == 0:  # as it goes: a run cut short still shows its rounds
-            done = {k: (save[k][-1], blocked[k][-1]) for k in save}
-            print(f"round {r}: (save s, async blocked s) {done}", flush=True)
+            last = {
+                name: {k: round(v[-1], 3) for k, v in times.items()}
+                for name, times in (("save", save_s), ("blocked", blocked), ("load", load_s))
+            }
+            print(f"round {r}: {last}", flush=True)
     if rank == 0:
-        med = {k: statistics.median(v) for k, v in save.items()}
+        med = {k: statistics.median(v) for k, v in save_s.items()}
         med_blocked = {k: statistics.median(v) for k, v in blocked.items()}
+        med_load = {k: statistics.median(v) for k, v in load_s.items()}
         mib = total / 2**20
+        step0 = base / "ours" / "steps"
         print(
             json.dumps(
                 {
-                    "world_size": dist.get_world_size(),
+                    "world_size": world,
                     "state_MiB": round(mib, 1),
-                    "save_s": save,
+                    "save_s": save_s,
                     "async_blocked_s": blocked,
+                    "layout_changing_load_s": load_s,
                     "save_MiB_per_s": {k: round(mib / v, 1) for k, v in med.items()},
-                    "throughput_ratio_ours_over_dcp": round(med["dcp"] / med["ours"], 3),
-                    "blocked_ratio_ours_over_dcp": round(
-                        med_blocked["ours"] / med_blocked["dcp"], 3
-                    ),
+                    "throughput_ratio_ours_over": {
+                        k: round(v / med["ours"], 3) for k, v in med.items() if k != "ours"
+                    },
+                    "blocked_ratio_ours_over": {
+                        k: round(med_blocked["ours"] / v, 3)
+                        for k, v in med_blocked.items()
+                        if k != "ours" and v > 0
+                    },
+                    "load_ratio_ours_over_dcp": round(med_load["ours"] / med_load["dcp"], 3),
+                    "objects_per_step": {
+                        "ours": _count_files(base / "ours") // max(1, args.rounds),
+                        "dcp": _count_files(base / "dcp-0"),
+                        "limit": 4 * world + 64,
+                    },
+                    "ours_steps_dir": str(step0),
                 },
                 indent=1,
             )
         )
+    dist.barrier()
+    for manager in (tc_sync, tc_async):
+        if manager is not None:
+            manager.close()
+    ours_async.close()
     dist.barrier()
     if rank == 0:
         shutil.rmtree(base, ignore_errors=True)

@@ -29,9 +29,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from zerostate.dcp import StorageReader, StorageWriter
+from zerostate.dcp.staging import StagingBuffers
 from zerostate.errors import ConfigError, ZerostateError
 
 __all__ = ["load", "save"]
+
+#: The staging memory of every non-blocking save of this process: the copy of the last
+#: save is reused by the next once that save is done with it ([Note: reused staging
+#: buffers] in zerostate.dcp.staging).
+_STAGING = StagingBuffers()
 
 
 class _ModuleState(Stateful):
@@ -92,12 +98,20 @@ def _translated(state: Any) -> dict[str, Any]:
     return out
 
 
-def _unwrapped(exc: CheckpointException) -> BaseException:
-    """The first zerostate error inside DCP's per-rank exception, or DCP's own."""
+def _unwrapped(exc: CheckpointException, where: str) -> BaseException:
+    """One line for DCP's per-rank exception: the first zerostate error inside it; else the
+    planner's own complaint (a key the step lacks, a shape that differs, each named) as a
+    :class:`ConfigError` led by ``where``; else DCP's exception itself."""
+    inner_errors = []
     for failure in exc.failures.values():
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, ZerostateError):
             return inner
+        inner_errors.append(inner)
+    for inner in inner_errors:
+        if isinstance(inner, (ValueError, RuntimeError, KeyError)):
+            text = str(inner).strip().splitlines()[0] if str(inner).strip() else repr(inner)
+            return ConfigError(f"{where}: {text}")
     return exc
 
 
@@ -117,16 +131,18 @@ def save(
     future of the save (the state is staged first; training may go on), whose result is
     DCP's metadata once the step is committed; as with DCP's ``async_save``, pass a
     ``process_group`` of its own (a gloo group from torch.distributed's ``new_group``) when
-    training runs collectives while the save is in flight. ``keep_last`` keeps only the
-    newest that many committed steps."""
-    writer = StorageWriter(root, step, keep_last, storage_options=storage_options)
+    training runs collectives while the save is in flight. A non-blocking save copies the
+    state into host memory kept for the next one (one copy of this rank's state, reused
+    once the save before is done with it). ``keep_last`` keeps only the newest that many
+    committed steps."""
+    writer = StorageWriter(root, step, keep_last, storage_options=storage_options, staging=_STAGING)
     translated = _translated(state)
     try:
         if not blocking:
             return dcp.async_save(translated, storage_writer=writer, process_group=process_group)
         dcp.save(translated, storage_writer=writer, process_group=process_group)
     except CheckpointException as exc:
-        raise _unwrapped(exc) from exc
+        raise _unwrapped(exc, f"saving to {writer.root} failed") from exc
     return writer.step
 
 
@@ -148,7 +164,9 @@ def load(
     try:
         dcp.load(translated, storage_reader=reader, process_group=process_group)
     except CheckpointException as exc:
-        raise _unwrapped(exc) from exc
+        raise _unwrapped(
+            exc, f"step {reader.step} of {reader.root} does not match the state"
+        ) from exc
     finally:
         reader.close()
     if reader.step is None:

@@ -156,7 +156,8 @@ class StorageReader(dcp_storage.StorageReader):
                     raise CorruptCheckpointError(f"step {state.step}: no value stored for {fqn!r}")
                 # Bytes this module serialises from the validated JSON: whatever the planner
                 # does with them (DefaultLoadPlanner calls torch.load(weights_only=False)),
-                # they hold only dicts, lists, tuples, strings, numbers and tensors.
+                # they hold only dicts, lists, tuples, strings, numbers, bytes, BytesIO
+                # buffers and tensors.
                 buffer = io.BytesIO()
                 torch.save(state.values[fqn], buffer)
                 buffer.seek(0)

@@ -36,6 +36,7 @@ from zerostate.dcp.common import (
     _rank_of_caller,
     _root_text,
 )
+from zerostate.dcp.staging import StagingBuffers
 from zerostate.errors import (
     CheckpointError,
     ConfigError,
@@ -53,7 +54,15 @@ class StorageWriter(dcp_storage.StorageWriter):
     ``keep_last`` keeps only the newest that many committed steps after each save.
     ``checkpoint_id`` given to ``dcp.save`` replaces the root. The object is plain data
     until a save starts, so ``async_save`` may hand it to a staging process.
+
+    It is also ``async_save``'s stager (DCP uses a storage writer that stages): the state is
+    copied into CPU buffers kept from the previous save once that save is done with them
+    ([Note: reused staging buffers] in zerostate.dcp.staging). ``staging`` shares one set of
+    buffers between writers (``zerostate.save`` keeps one for all its non-blocking saves).
     """
+
+    #: Staging copies before ``async_save`` returns: there is nothing to wait for after.
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -64,6 +73,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         storage_options: dict | None = None,
         timeout_s: float = 600.0,
         num_threads: int = 8,
+        staging: StagingBuffers | None = None,
     ) -> None:
         super().__init__()
         self.root = _root_text(root)
@@ -77,6 +87,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         self.timeout_s, self.num_threads = float(timeout_s), int(num_threads)
         #: The step the last save wrote (set on every rank once its plan arrives).
         self.step: int | None = None
+        self._staging = staging if staging is not None else StagingBuffers()
         self._reset_save()
 
     def _reset_save(self) -> None:
@@ -98,6 +109,22 @@ class StorageWriter(dcp_storage.StorageWriter):
                 self.root, self.storage_options or None, num_threads=self.num_threads
             )
         return self._root
+
+    # ------------------------------------------------------------- async staging
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict) -> dict:
+        """A training-safe copy of ``state_dict`` for ``async_save`` to write."""
+        return self._staging.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
+
+    def close(self) -> None:
+        """Drops the staging buffers kept for the next save."""
+        self._staging.close()
 
     # ------------------------------------------------------------- DCP interface
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -180,6 +207,20 @@ class StorageWriter(dcp_storage.StorageWriter):
         if not isinstance(glob, _GlobalPlan):
             raise CheckpointError("internal: the save plan lacks zerostate's global plan")
         self._plan, self.step = glob, glob.step
+        read: list[torch.Tensor] = []  # staged buffers this save reads, freed when it is done
+        try:
+            results = self._write_row(plan, planner, glob, read)
+        finally:
+            self._staging.release(read)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_row(
+        self, plan: SavePlan, planner: SavePlanner, glob: _GlobalPlan, read: list[torch.Tensor]
+    ) -> list[WriteResult]:
+        """This rank's pieces into its row and manifest; the tensors it was handed are
+        appended to ``read``."""
         me = glob.store_rank(self._rank)
         mine = {(p.fqn, p.offsets): p for p in glob.pieces if p.owner == me}
         results: list[WriteResult] = []
@@ -200,6 +241,7 @@ class StorageWriter(dcp_storage.StorageWriter):
             data = planner.resolve_data(item)
             if not isinstance(data, torch.Tensor):
                 raise ConfigError(f"{item.index.fqn}: the planner gave {type(data).__name__}")
+            read.append(data)
             data = data.detach()
             if tuple(data.shape) != piece.sizes or data.dtype != piece.dtype:
                 raise ConfigError(
@@ -226,9 +268,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         except BaseException as exc:
             self._writer.abort(exc)
             raise
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         glob, writer = self._plan, self._writer

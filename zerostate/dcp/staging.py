@@ -1,0 +1,129 @@
+"""Staging for ``dcp.async_save`` through zerostate's writer: copies into CPU buffers that are
+reused from one save to the next, never while a save still reads them.
+
+[Note: reused staging buffers]
+``async_save`` blocks the training loop for as long as staging takes: a copy of the whole
+state, so the next optimizer step cannot change what is being written. DCP's default stager
+copies into newly allocated memory on every save, and on the host most of that time is the
+kernel zeroing fresh pages on first touch, not the copy itself. Our writer keeps the buffers
+of a finished save and copies the next save's state into them: the blocked time is the copy.
+
+A set of buffers is reused only once the save that read it is known to be done with it: its
+rank's ``write_data`` has returned (every byte of this rank is in storage, or the save
+failed). Staging while the previous save is still writing (the caller did not wait on its
+future) gets a new set; a save that failed before it wrote anything never frees its set, and
+the next one simply allocates. At most one finished set is kept, so the host memory held
+between saves is one copy of this rank's state. ``write_data`` recognises its set by the
+storage of the tensors the planner hands it, not by order, so no interleaving of saves can
+free a set that a running save still reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from typing import Any
+
+import torch
+
+from zerostate.errors import ConfigError
+
+__all__ = ["StagingBuffers"]
+
+
+class _Set:
+    """One staged copy: its buffers by path in the state, and their storages' addresses."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.addresses: set[int] = set()
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class StagingBuffers:
+    """The writer's staging memory ([Note: reused staging buffers])."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: _Set | None = None
+        self._busy: list[_Set] = []
+
+    def __getstate__(self) -> dict:
+        # A staging process gets none of this process's memory.
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def stage(self, state: Any) -> Any:
+        """A copy of ``state`` (nested dicts, lists and tuples of tensors, DTensors and plain
+        values) whose tensors are CPU buffers of this stager."""
+        with self._lock:
+            reuse, self._idle = self._idle, None
+        staged_set = _Set()
+        try:
+            staged = self._copy(state, (), reuse, staged_set)
+        except BaseException:
+            with self._lock:
+                self._idle = reuse
+            raise
+        with self._lock:
+            self._busy.append(staged_set)
+        return staged
+
+    def release(self, tensors: list[torch.Tensor]) -> None:
+        """The save that read ``tensors`` is done with them: their set may be reused."""
+        seen = {_address(t) for t in tensors if t.numel()}
+        with self._lock:
+            done = [s for s in self._busy if s.addresses & seen]
+            if not done:
+                return
+            self._busy = [s for s in self._busy if not s.addresses & seen]
+            self._idle = done[-1]
+
+    def held_nbytes(self) -> int:
+        """Bytes of staging memory held now (finished and in-flight sets)."""
+        with self._lock:
+            sets = ([self._idle] if self._idle is not None else []) + list(self._busy)
+        return sum(b.numel() * b.element_size() for s in sets for b in s.buffers.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self._idle = None
+
+    def _copy(self, value: Any, path: tuple, reuse: _Set | None, into: _Set) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._copy_tensor(value, path, reuse, into)
+        if isinstance(value, dict):
+            return {k: self._copy(v, (*path, k), reuse, into) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._copy(v, (*path, i), reuse, into) for i, v in enumerate(value)]
+        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(self._copy(v, (*path, i), reuse, into) for i, v in enumerate(value))
+        return copy.deepcopy(value)  # plain values are small; the training loop may change them
+
+    def _copy_tensor(self, t: torch.Tensor, path: tuple, reuse: _Set | None, into: _Set):
+        from torch.distributed.tensor import DTensor
+
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.is_sparse or local.layout != torch.strided:
+            raise ConfigError(
+                f"{'.'.join(map(str, path))}: a {local.layout} tensor cannot be staged"
+            )
+        old = reuse.buffers.get(path) if reuse is not None else None
+        if old is not None and old.shape == local.shape and old.dtype == local.dtype:
+            buf = old
+        else:
+            buf = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+        buf.copy_(local.detach())
+        into.buffers[path] = buf
+        if buf.numel():  # an empty tensor has no storage of its own to recognise it by
+            into.addresses.add(_address(buf))
+        if isinstance(t, DTensor):
+            return DTensor.from_local(
+                buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+        return buf
