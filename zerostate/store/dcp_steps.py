@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from zerostate.dcp.common import ATTR, DCP_VERSION, _Piece, _piece_name
+from zerostate.dcp.common import ATTR, DCP_VERSION, Piece, piece_name
 from zerostate.dcp.reader import step_contents
 from zerostate.errors import ConfigError, CorruptCheckpointError
 from zerostate.layout.partition import TensorLayout
@@ -327,7 +327,7 @@ def fsdp_plan(st: DcpStoreStep, world_size: int) -> ShardedPlan:
         nbytes = math.prod(sizes) * tensor.dtype.itemsize if tensor is not None else 0
         size[chosen] += nbytes or 1
         owner[index] = chosen
-    pieces: list[_Piece] = []
+    pieces: list[Piece] = []
     sources: dict[str, tuple[str, int, int]] = {}
     for rank, plan in enumerate(plans):
         seq = 0
@@ -335,7 +335,7 @@ def fsdp_plan(st: DcpStoreStep, world_size: int) -> ShardedPlan:
             tensor = st.globals.get(key)
             if tensor is None or owner[(key, offsets)] != rank:
                 continue
-            piece = _Piece(_piece_name(rank, seq, key), key, offsets, sizes, tensor.dtype, rank)
+            piece = Piece(piece_name(rank, seq, key), key, offsets, sizes, tensor.dtype, rank)
             pieces.append(piece)
             start = offsets[0] * tensor.row_numel if tensor.shape else 0
             sources[piece.name] = (key, start, start + math.prod(sizes))
@@ -387,7 +387,7 @@ def plan_order(st: DcpStoreStep) -> list[str]:
     return order
 
 
-def _document(st: DcpStoreStep, pieces: list[_Piece]) -> dict:
+def _document(st: DcpStoreStep, pieces: list[Piece]) -> dict:
     """The source's DCP document with the new chunks: values, planner data and torch's
     version as saved."""
     document = dict(st.stored.attrs[ATTR])
