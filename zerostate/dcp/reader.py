@@ -284,6 +284,17 @@ def describe_step(reader: Any) -> list[dict[str, Any]] | None:
     return out
 
 
+def step_contents(
+    reader: Any,
+) -> tuple[Metadata, dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]], dict]:
+    """``(metadata, pieces, values)`` of an open step written through this module, validated
+    as a load validates it: torch's metadata, ``{(key, box offsets): (piece, box sizes)}``
+    and each non-tensor value decoded from its JSON. For the store's commands, which read
+    such a step as global tensors (``zerostate.store.dcp_steps``)."""
+    state = _parse_step(reader)
+    return state.metadata, dict(state.pieces), dict(state.values)
+
+
 def _parse_step(reader: Any) -> _Step:
     """Validate a committed step's DCP document against its pieces; see [Note: DCP steps]."""
     where = f"step {reader.step} at {reader.url}"
