@@ -284,25 +284,6 @@ def save_fsdp2_tp(rank: int, world_size: int, ours: str, theirs: str) -> dict:
     return {"step": writer.step}
 
 
-def load_llama(rank: int, world_size: int, kind: str, path: str, layout: str) -> dict:
-    """A fresh Llama of ``layout`` (after a step of its own, so every value differs), loaded
-    through our reader or DCP's; the full state from rank 0."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from zerostate.dcp import StorageReader
-
-    torch.set_num_threads(1)
-    model, opt = llama_layout(layout)
-    _llama_step(model, opt, seed=50 + rank)
-    state = state_of(model, opt)
-    reader = StorageReader(path) if kind == "ours" else dcp.FileSystemReader(path)
-    dcp.load(state, storage_reader=reader)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    full = _full(model, opt)
-    return full if rank == 0 else {}
-
-
 # The torchtitan way end to end: LLAMA_TRAIN_STEPS steps at dp_shard 2 x tp 2, saved; loads at
 # other layouts continue LLAMA_RESUME_STEPS steps on the same global batches.
 LLAMA_TRAIN_STEPS, LLAMA_RESUME_STEPS, LLAMA_GLOBAL_BATCH = 3, 2, 4
