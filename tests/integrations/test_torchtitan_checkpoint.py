@@ -196,10 +196,25 @@ def _settings(async_mode: str, **more) -> dict:
                 **more)  # fmt: skip
 
 
+_RUNS: dict[str, dict] = {}  # per async mode: both fixtures share one pair of jobs
+
+
 @pytest.fixture(scope="module", params=["disabled", "async"])
 def runs(request, tmp_path_factory) -> dict:
     """Per manager: the first job (crashes after CRASH_AFTER) and the resumed one."""
-    mode = request.param
+    return _runs(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory) -> dict:
+    """The synchronous jobs of :func:`runs`: what the tests of the load path start from
+    (that path does not depend on the async mode)."""
+    return _runs("disabled", tmp_path_factory)
+
+
+def _runs(mode: str, tmp_path_factory) -> dict:
+    if mode in _RUNS:
+        return _RUNS[mode]
     out: dict = {"mode": mode}
     for manager in ("zerostate", "torchtitan"):
         dump = tmp_path_factory.mktemp(f"{manager}-{mode}")
@@ -212,6 +227,7 @@ def runs(request, tmp_path_factory) -> dict:
         out[manager] = {"dump": dump, "first": first, "resumed": resumed,
                         "steps_after_crash": steps_after_crash,
                         "steps_at_end": _steps(manager, dump / "ckpt")}  # fmt: skip
+    _RUNS[mode] = out
     return out
 
 
@@ -267,10 +283,8 @@ def test_resumed_steps_equal_torchtitans_resume_and_the_uninterrupted_run(runs):
 
 
 @pytest.mark.slow
-def test_exclude_from_loading_leaves_those_states_untouched(runs):
-    if runs["mode"] != "disabled":
-        pytest.skip("the load path does not depend on async_mode")
-    dump = str(runs["zerostate"]["dump"])
+def test_exclude_from_loading_leaves_those_states_untouched(sync_runs):
+    dump = str(sync_runs["zerostate"]["dump"])
     settings = _settings(
         "disabled", load_step=6, exclude_from_loading=["dataloader", "lr_scheduler"]
     )
@@ -279,22 +293,21 @@ def test_exclude_from_loading_leaves_those_states_untouched(runs):
     assert got["step_after_load"] == 6  # train_state loaded
     assert got["position_after_load"] == 0 and got["lr_epoch_after_load"] == 0  # untouched
     _assert_bit_identical(
-        got["params_after_load"], runs["zerostate"]["resumed"]["params_after_load"]
+        got["params_after_load"], sync_runs["zerostate"]["resumed"]["params_after_load"]
     )
 
 
 @pytest.mark.slow
-def test_initial_load_path_loads_the_model_only(runs, tmp_path):
-    if runs["mode"] != "disabled":
-        pytest.skip("the load path does not depend on async_mode")
-    source = runs["zerostate"]["dump"] / "ckpt"  # newest step: 8, the model-only last save
+def test_initial_load_path_loads_the_model_only(sync_runs, tmp_path):
+    source = sync_runs["zerostate"]["dump"] / "ckpt"  # newest: 8, the model-only last save
     settings = _settings("disabled", initial_load_path=str(source), initial_load_model_only=True)
     got = run_distributed(_job, WORLD, "zerostate", str(tmp_path), settings, 0, perturb=True,
                           timeout=TIMEOUT)[0]  # fmt: skip
     assert got["loaded"]
     assert got["step_after_load"] == 0 and got["position_after_load"] == 0
     assert got["lr_epoch_after_load"] == 0
-    _assert_bit_identical(got["params_after_load"], runs["zerostate"]["resumed"]["final_params"])
+    final = sync_runs["zerostate"]["resumed"]["final_params"]
+    _assert_bit_identical(got["params_after_load"], final)
     assert not (tmp_path / "ckpt").exists() or _steps("zerostate", tmp_path / "ckpt") == []
 
 
@@ -324,11 +337,9 @@ def test_last_save_in_hf_writes_a_directory_initial_load_in_hf_reads(tmp_path):
 
 
 @pytest.mark.slow
-def test_async_with_pinned_mem_saves_what_a_synchronous_job_saves(runs, tmp_path):
+def test_async_with_pinned_mem_saves_what_a_synchronous_job_saves(sync_runs, tmp_path):
     """Pinned staging writes from a checkpoint process of its own, which the test pool's
     (daemonic) workers may not start: this job runs under real ``torchrun``."""
-    if runs["mode"] != "disabled":
-        pytest.skip("compared with the synchronous job")
     record = tmp_path / "pinned.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
         str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")])))  # fmt: skip
@@ -337,7 +348,7 @@ def test_async_with_pinned_mem_saves_what_a_synchronous_job_saves(runs, tmp_path
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT)
     assert proc.returncode == 0 and record.exists(), (proc.stdout + proc.stderr)[-4000:]
     pinned = json.loads(record.read_text())
-    first = runs["zerostate"]["first"]["losses"]
+    first = sync_runs["zerostate"]["first"]["losses"]
     assert pinned["losses"] == [first[step] for step in range(1, 6)]
     assert pinned["steps"] == [2, 4]
     # A synchronous job resumes from the pinned save's newest step and trains step 5 again.
