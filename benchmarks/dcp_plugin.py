@@ -23,7 +23,8 @@ Per round, in alternating order:
   of every saved chunk: our reader on our step vs ``FileSystemReader`` on DCP's.
 Rank 0 prints one JSON object: every round's times, the medians, the ratios (save throughput
 ours over each peer's, blocked time and load time ours over DCP's) and the objects per step.
-The GPT-2 ``io`` preset (~26M parameters: fp32 weights and both AdamW moments).
+The GPT-2 ``io`` preset (~26M parameters: fp32 weights and both AdamW moments); ``--device
+cuda`` keeps the state on the GPU (``benchmarks/gpu.sh``'s row: staging copies it to host).
 """
 
 from __future__ import annotations
@@ -40,17 +41,17 @@ import torch
 import torch.distributed as dist
 
 
-def _state(preset: str) -> dict:
+def _state(preset: str, device: torch.device) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from benchmarks.common import MODELS
     from benchmarks.contenders import batches, build_model, fully_shard_model
 
-    model = build_model(preset, torch.device("cpu"))
+    model = build_model(preset, device)
     fully_shard_model(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     seq = min(64, MODELS[preset]["n_positions"])
-    batch = batches(preset, dist.get_rank(), 2, seq, 1, torch.device("cpu"))[0]
+    batch = batches(preset, dist.get_rank(), 2, seq, 1, device)[0]
     model(batch[:, :-1], batch[:, 1:]).backward()
     opt.step()
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -138,8 +139,15 @@ def main() -> None:
     parser.add_argument("--dir", required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--preset", default="io")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":  # the state on the GPU; DCP's collectives and ours on gloo
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     base = Path(args.dir)
@@ -147,7 +155,7 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
     dist.barrier()
-    state = _state(args.preset)
+    state = _state(args.preset, device)
     local = torch.tensor([_nbytes(state)], dtype=torch.int64)
     dist.all_reduce(local)
     total = int(local.item())
@@ -230,6 +238,7 @@ def main() -> None:
             json.dumps(
                 {
                     "world_size": world,
+                    "device": str(device),
                     "state_MiB": round(mib, 1),
                     "save_s": save_s,
                     "async_blocked_s": blocked,

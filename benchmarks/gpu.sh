@@ -34,6 +34,26 @@ if [ "${ZEROSTATE_GPU_OFFLOAD:-1}" != 0 ]; then
         --threads "$OMP_NUM_THREADS" --out "${RESULT%.json}-offload-host.json" || rc=$((rc ? rc : 2))
     echo "gpu.sh: offload results in $OFFLOAD_RESULT"
 fi
+# DCP plug-in (benchmarks/dcp_plugin.py, docs/dcp.md): FSDP2 state on the GPU saved with
+# dcp.save / dcp.async_save through zerostate.dcp's writer vs FileSystemWriter (and DCP's
+# caching stager, which pins host memory), and a layout-changing load with our reader vs
+# FileSystemReader. Its own JSON (the last line of its output) and time limit;
+# ZEROSTATE_GPU_DCP=0 skips it.
+if [ "${ZEROSTATE_GPU_DCP:-1}" != 0 ]; then
+    DCP_RESULT="${RESULT%.json}-dcp.json"
+    DCP_DIR="$(mktemp -d)"
+    timeout --signal=INT --kill-after=20 240 "$PY" -m torch.distributed.run --standalone \
+        --nproc-per-node 1 -m benchmarks.dcp_plugin --device cuda --dir "$DCP_DIR/run" \
+        --rounds 3 > "$DCP_RESULT.log" 2>&1 || rc=$((rc ? rc : 2))
+    "$PY" - "$DCP_RESULT.log" "$DCP_RESULT" <<'PYEOF' || rc=$((rc ? rc : 2))
+import json, sys
+text = open(sys.argv[1]).read()
+start = text.rfind("\n{")
+json.dump(json.loads(text[start:text.rindex("}") + 1]), open(sys.argv[2], "w"), indent=1)
+PYEOF
+    rm -rf "$DCP_DIR"
+    echo "gpu.sh: DCP plug-in results in $DCP_RESULT"
+fi
 # Mesh (ZeRO inside a device mesh, benchmarks/mesh.py): tp 2 x dp_shard 4 on one node of 8
 # GPUs over NCCL, a 1B-parameter Llama parallelized with torch's parallelize_module, bf16:
 # step time and peak memory of zerostate (stage 2, with activation_checkpointing=

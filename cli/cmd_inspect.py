@@ -63,10 +63,10 @@ def describe(ckpt: Any, st: Any, root: str) -> dict[str, Any]:
         group["bytes"] += int(info.nbytes)
     totals = {g: t for g, t in totals.items() if t["num_tensors"] or g in GROUPS}
     dcp_entries = None
-    if isinstance(st.attrs, dict) and "dcp" in st.attrs:  # a step written through DCP
+    if st.dcp_pieces:  # a step written through zerostate.dcp: its boxes, as stored
         from zerostate.dcp import describe_step
 
-        dcp_entries = describe_step(st)
+        dcp_entries = describe_step(st.stored)
     committed, partial = (list(steps) for steps in ckpt.scan())  # one listing of the root
     return {
         "checkpoint": root,

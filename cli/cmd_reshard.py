@@ -26,7 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "reshard",
         help="rewrite a step for a different world size or mesh",
         description="Rewrite one committed step into OUT with the chunk grid of "
-        "--world-size ranks (and --tp, --dp-replicate). Loading already reshards on the fly; "
+        "--world-size ranks (and --tp, --dp-replicate); a step written through zerostate.dcp "
+        "is written as a DCP step again, with the chunks FSDP2 saves at --world-size ranks. "
+        "Loading already reshards on the fly; "
         "this makes the stored layout match the job that reads it, and prints the source "
         "and target layouts, e.g. (dp_shard 2 x tp 2) -> (dp 2). Memory stays near one "
         "tensor range. Without tensor-parallel layouts, a tensor of at most "
@@ -100,6 +102,16 @@ def run(args: argparse.Namespace) -> int:
     source = open_source(args, "src")
     src_step = source.step(args.step)
     try:
+        if src_step.dcp_pieces and (
+            args.tp > 1 or args.dp_replicate > 1 or args.min_shard_numel is not None
+        ):
+            raise CliError(
+                f"step {src_step.step} of {args.ckpt} was written through zerostate.dcp: it "
+                "reshards to the chunks FSDP2 saves at --world-size ranks; leave out --tp, "
+                "--dp-replicate and --min-shard-numel",
+                exit_code=2,
+            )
+        dcp_step = src_step.dcp_pieces
         src_mesh = step_mesh(src_step)
         # As the store decides: a source recording a tensor-parallel dim keeps its layouts.
         src_tp = any(
@@ -117,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         min_shard = DEFAULT_MIN_SHARD_NUMEL
     # A tensor of at most min_shard elements is one piece, on one rank.
     whole = sum(1 for n in small if 0 < n <= min_shard) if min_shard and dp_shard > 1 else 0
+    if dcp_step:  # rows split as FSDP2 splits them ([Note: DCP reshard layout])
+        whole = 0
     with progress_bar(args, "reshard") as progress:
         result = reshard(
             source,

@@ -54,10 +54,11 @@ if [ -z "${ZEROSTATE_NO_INSTALL:-}" ] && { [ ! -f "$stamp" ] || [ "$ROOT/pyproje
     # only). torchtitan 0.3.0 requires datasets<4.8, whose fsspec pin the s3fs zerostate
     # needs cannot meet, so it goes in without its dependencies, plus the few its model
     # package imports: spmd_types, tyro (its config manager), docstring_parser (tyro's) and
-    # triton (imported at module level by its expert-parallel kernels; never run on a CPU).
+    # triton (imported at module level by its expert-parallel kernels; never run on a CPU),
+    # torchdata (its dataloader, whose state the checkpoint manager's tests save).
     if [[ ",$EXTRAS," == *",test,"* ]] && [ "${ZEROSTATE_TORCHTITAN:-1}" != 0 ]; then
         titan=(torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0
-               triton==3.9.0)
+               triton==3.9.0 torchdata==0.11.0)
         if [ "$installed" = uv ]; then
             UV_CACHE_DIR="$VENV/.uv-cache" "$VENV/bin/python" -m uv pip install -q \
                 --compile-bytecode --python "$VENV/bin/python" "${uv_flags[@]}" --no-deps \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # torchtitan 0.3.0 in a virtual environment of its own, and what runs in it:
 #
-#   bash scripts/torchtitan.sh test [pytest args]   # tests/integrations/test_torchtitan.py
+#   bash scripts/torchtitan.sh test [pytest args]   # tests/integrations/test_torchtitan*.py
 #   bash scripts/torchtitan.sh bench [--steps N]     # benchmarks/titan.py: zerostate stage 3
 #                                                    # vs FSDP2, one torchrun job each
 #
@@ -28,7 +28,7 @@ if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] || [ "$0" -nt "$
     "${pip[@]}" "${ZEROSTATE_TORCH:-torch==2.13.0}"
     "${pip[@]}" -e "$ROOT" pytest pytest-timeout pytest-xdist psutil
     "${pip[@]}" --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
-        docstring_parser==0.18.0 triton==3.9.0
+        docstring_parser==0.18.0 triton==3.9.0 torchdata==0.11.0
     touch "$stamp"
 fi
 cd "$ROOT"
@@ -37,7 +37,8 @@ case "$what" in
     test)
         # A missing torchtitan fails here instead of skipping.
         ZEROSTATE_REQUIRE_TORCHTITAN=1 exec "$VENV/bin/python" -m pytest -p no:cacheprovider \
-            -n 0 tests/integrations/test_torchtitan.py "$@"
+            -n 0 tests/integrations/test_torchtitan.py \
+            tests/integrations/test_torchtitan_checkpoint.py "$@"
         ;;
     bench)
         out="${ZEROSTATE_TITAN_OUT:-$ROOT/bench-out/titan}"

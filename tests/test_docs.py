@@ -210,3 +210,37 @@ def test_cli_sample_in_api_page_is_what_the_commands_print(
         _, out, err = run_cli(command.split(), capsys)
         got.append(f"$ zerostate {command}\n" + (out + err).replace(f"{tmp_path}/", ""))
     assert len(got) == 4 and "".join(got) == transcript
+
+
+_REPO_PATH = re.compile(
+    r"`((?:zerostate|cli|benchmarks|tests|scripts|examples)/[A-Za-z0-9_/.\-]+)`"
+)
+_NOTE_IN = re.compile(
+    r"\[Note:\s+([^\]]+)\]\s*in\s*`((?:zerostate|cli|benchmarks|tests)/[A-Za-z0-9_/.\-]+\.py)`"
+)
+
+
+def _pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def test_every_file_the_docs_name_exists() -> None:
+    """A module that moved leaves no page pointing at its old place."""
+    gone = sorted(
+        f"{page.relative_to(ROOT)}: {path}"
+        for page in _pages()
+        for path in _REPO_PATH.findall(page.read_text())
+        if not (ROOT / path.rstrip("/.")).exists()
+    )
+    assert not gone, "\n".join(gone)
+
+
+def test_every_note_the_docs_cite_is_in_the_file_they_name() -> None:
+    wrong = []
+    for page in _pages():
+        for note, path in _NOTE_IN.findall(page.read_text()):
+            note = " ".join(note.split())
+            text = " ".join((ROOT / path).read_text().split()) if (ROOT / path).is_file() else ""
+            if f"[Note: {note}]" not in text:
+                wrong.append(f"{page.relative_to(ROOT)}: [Note: {note}] is not in {path}")
+    assert not wrong, "\n".join(wrong)

@@ -98,12 +98,20 @@ def _translated(state: Any) -> dict[str, Any]:
     return out
 
 
-def _unwrapped(exc: CheckpointException) -> BaseException:
-    """The first zerostate error inside DCP's per-rank exception, or DCP's own."""
+def _unwrapped(exc: CheckpointException, where: str) -> BaseException:
+    """One line for DCP's per-rank exception: the first zerostate error inside it; else the
+    planner's own complaint (a key the step lacks, a shape that differs, each named) as a
+    :class:`ConfigError` led by ``where``; else DCP's exception itself."""
+    inner_errors = []
     for failure in exc.failures.values():
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, ZerostateError):
             return inner
+        inner_errors.append(inner)
+    for inner in inner_errors:
+        if isinstance(inner, (ValueError, RuntimeError, KeyError)):
+            text = str(inner).strip().splitlines()[0] if str(inner).strip() else repr(inner)
+            return ConfigError(f"{where}: {text}")
     return exc
 
 
@@ -134,7 +142,7 @@ def save(
             return dcp.async_save(translated, storage_writer=writer, process_group=process_group)
         dcp.save(translated, storage_writer=writer, process_group=process_group)
     except CheckpointException as exc:
-        raise _unwrapped(exc) from exc
+        raise _unwrapped(exc, f"saving to {writer.root} failed") from exc
     return writer.step
 
 
@@ -156,7 +164,9 @@ def load(
     try:
         dcp.load(translated, storage_reader=reader, process_group=process_group)
     except CheckpointException as exc:
-        raise _unwrapped(exc) from exc
+        raise _unwrapped(
+            exc, f"step {reader.step} of {reader.root} does not match the state"
+        ) from exc
     finally:
         reader.close()
     if reader.step is None:

@@ -8,7 +8,11 @@ three things a ``state_dict`` commonly holds; each is written as a one-key marke
 - tuples: ``{"__zs_tuple__": [...]}`` (torch's schedulers and optimizers compare
   ``betas`` and friends as tuples);
 - dicts with keys that are not strings, or that clash with a marker:
-  ``{"__zs_items__": [[key, value], ...]}``.
+  ``{"__zs_items__": [[key, value], ...]}``;
+- raw bytes: ``{"__zs_bytes__": base64}``, and an ``io.BytesIO`` (DCP's tests and trainers
+  keep a ``torch.save``-d blob in one): ``{"__zs_bytesio__": {"data": base64, "pos": n}}``,
+  its contents and position, as DCP's own pickle of it keeps them. The bytes are data: they
+  come back as ``bytes`` / ``io.BytesIO``, never interpreted.
 
 Decoding validates every marker (known dtype, non-negative shape, byte count matching
 the shape) and raises :class:`~zerostate.errors.CorruptCheckpointError` otherwise, so a
@@ -18,6 +22,7 @@ damaged or hostile checkpoint cannot produce arbitrary objects.
 from __future__ import annotations
 
 import base64
+import io
 import math
 import sys
 from typing import Any
@@ -29,7 +34,11 @@ from zerostate.errors import ConfigError, CorruptCheckpointError
 _TENSOR = "__zs_tensor__"
 _TUPLE = "__zs_tuple__"
 _ITEMS = "__zs_items__"
-_MARKERS = (_TENSOR, _TUPLE, _ITEMS)
+_BYTES = "__zs_bytes__"
+_BYTESIO = "__zs_bytesio__"
+_MARKERS = (_TENSOR, _TUPLE, _ITEMS, _BYTES, _BYTESIO)
+#: A BytesIO's stored position is at most this (as the store's other integers).
+_MAX_POS = 1 << 62
 
 #: dtypes a tensor in a state may have; anything else is refused on encode and decode.
 DTYPES: dict[str, torch.dtype] = {
@@ -49,6 +58,14 @@ def encode(value: Any, what: str = "state") -> Any:
         return value  # NaN and inf survive json.dumps/loads in Python
     if isinstance(value, torch.Tensor):
         return {_TENSOR: _encode_tensor(value, what)}
+    # Exact types: a subclass would come back as its base, which is not lossless.
+    if type(value) is bytes:
+        return {_BYTES: base64.b64encode(value).decode("ascii")}
+    if type(value) is io.BytesIO:
+        if value.closed:
+            raise ConfigError(f"{what} is a closed io.BytesIO; its contents are gone")
+        data = base64.b64encode(value.getvalue()).decode("ascii")
+        return {_BYTESIO: {"data": data, "pos": value.tell()}}
     if isinstance(value, tuple):
         return {_TUPLE: [encode(v, f"{what}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -66,8 +83,8 @@ def encode(value: Any, what: str = "state") -> Any:
         return {_ITEMS: [[encode(k, what), encode(v, f"{what}[{k!r}]")] for k, v in value.items()]}
     raise ConfigError(
         f"{what} holds a {type(value).__name__}, which a checkpoint cannot store without "
-        "pickle; state_dict() values must be None, bool, int, float, str, tensors, or "
-        "lists / tuples / dicts of them"
+        "pickle; state_dict() values must be None, bool, int, float, str, bytes, "
+        "io.BytesIO, tensors, or lists / tuples / dicts of them"
     )
 
 
@@ -104,6 +121,10 @@ def decode(value: Any, what: str = "state") -> Any:
             if not isinstance(body, list):
                 raise CorruptCheckpointError(f"{what}: malformed tuple in stored state")
             return tuple(decode(v, what) for v in body)
+        if key == _BYTES:
+            return _decode_base64(body, what)
+        if key == _BYTESIO:
+            return _decode_bytesio(body, what)
         if key == _ITEMS:
             if not isinstance(body, list) or not all(
                 isinstance(p, list) and len(p) == 2 for p in body
@@ -119,6 +140,26 @@ def _hashable(key: Any, what: str) -> Any:
     except TypeError:
         raise CorruptCheckpointError(f"{what}: unhashable dict key in stored state") from None
     return key
+
+
+def _decode_base64(body: Any, what: str) -> bytes:
+    if not isinstance(body, str):
+        raise CorruptCheckpointError(f"{what}: stored bytes are not base64 text")
+    try:
+        return base64.b64decode(body, validate=True)
+    except ValueError:
+        raise CorruptCheckpointError(f"{what}: stored bytes are not valid base64") from None
+
+
+def _decode_bytesio(body: Any, what: str) -> io.BytesIO:
+    if not isinstance(body, dict) or set(body) != {"data", "pos"}:
+        raise CorruptCheckpointError(f"{what}: malformed BytesIO in stored state")
+    pos = body["pos"]
+    if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos < _MAX_POS:
+        raise CorruptCheckpointError(f"{what}: BytesIO position {pos!r} is invalid")
+    buffer = io.BytesIO(_decode_base64(body["data"], what))
+    buffer.seek(pos)
+    return buffer
 
 
 def _decode_tensor(body: Any, what: str) -> torch.Tensor:

@@ -85,3 +85,17 @@ def test_bad_states_and_roots_are_refused(saved, tmp_path):
         zerostate.load({"model": model}, str(tmp_path / "empty"))
     with pytest.raises(CheckpointError, match="already committed"):
         zerostate.save({"model": model}, str(saved["root"]), step=0)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_state_that_does_not_match_the_step_is_refused_in_one_line_naming_the_key(tmp_path):
+    root = str(tmp_path / "ckpt")
+    zerostate.save({"model": {"w": torch.zeros(3, 4), "b": torch.ones(2)}}, root)
+    wider = {"model": {"w": torch.zeros(5, 4), "b": torch.ones(2)}}
+    with pytest.raises(ConfigError, match=r"step 0 of .* does not match the state: .*model\.w"):
+        zerostate.load(wider, root)
+    other = {"model": {"w": torch.zeros(3, 4), "x": torch.ones(2)}}
+    with pytest.raises(ConfigError, match=r"does not match the state: .*model\.x") as info:
+        zerostate.load(other, root)
+    assert "\n" not in str(info.value)
+    assert torch.equal(wider["model"]["w"], torch.zeros(5, 4))  # nothing half-loaded into it

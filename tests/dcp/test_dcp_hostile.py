@@ -7,6 +7,7 @@ One process, no torch.distributed (DCP's no_dist path)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 from pathlib import Path
@@ -107,6 +108,22 @@ def test_a_value_replaced_by_pickle_bytes_stays_data(root, tmp_path):
     dcp.load(state, storage_reader=StorageReader(str(root)))
     assert state["note"] == payload  # a string, handed over as a string
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("marker", ["__zs_bytes__", "__zs_bytesio__"])
+def test_a_pickle_stored_as_bytes_stays_bytes(root, tmp_path, marker):
+    # Bytes values are data: a pickle in them reaches the state as bytes or a buffer of
+    # them; nothing on the way (our reader, DCP's load planner) unpickles the contents.
+    ran = tmp_path / "ran"
+    payload = pickle.dumps(_RunsCode(ran))
+    text = base64.b64encode(payload).decode("ascii")
+    stored = {marker: text if marker == "__zs_bytes__" else {"data": text, "pos": 0}}
+    _edit(root, lambda doc: doc["values"].__setitem__("note", stored))
+    state = _fresh()
+    dcp.load(state, storage_reader=StorageReader(str(root)))
+    got = state["note"]
+    assert (got if marker == "__zs_bytes__" else got.getvalue()) == payload
+    assert not ran.exists()
 
 
 def test_a_value_with_a_hostile_marker_is_refused_naming_it(root):

@@ -32,7 +32,7 @@ READ_BATCH_NBYTES = 256 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-def _piece_name(rank: int, seq: int, fqn: str) -> str:
+def piece_name(rank: int, seq: int, fqn: str) -> str:
     """A valid store name for piece ``seq`` of ``rank`` that still shows the FQN: the rank
     first, so each rank's pieces are adjacent in name (slot) order."""
     readable = _UNSAFE.sub("_", fqn)[:150]
@@ -43,7 +43,7 @@ def _piece_name(rank: int, seq: int, fqn: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Piece:
+class Piece:
     name: str
     fqn: str
     offsets: tuple[int, ...]
@@ -65,7 +65,7 @@ class _GlobalPlan:
     save_id: str
     world_size: int
     coordinator: int
-    pieces: tuple[_Piece, ...]
+    pieces: tuple[Piece, ...]
 
     def store_rank(self, rank: int) -> int:
         """The store rank of a DCP rank: the coordinator is the store's rank 0 (it commits)."""

@@ -156,7 +156,8 @@ class StorageReader(dcp_storage.StorageReader):
                     raise CorruptCheckpointError(f"step {state.step}: no value stored for {fqn!r}")
                 # Bytes this module serialises from the validated JSON: whatever the planner
                 # does with them (DefaultLoadPlanner calls torch.load(weights_only=False)),
-                # they hold only dicts, lists, tuples, strings, numbers and tensors.
+                # they hold only dicts, lists, tuples, strings, numbers, bytes, BytesIO
+                # buffers and tensors.
                 buffer = io.BytesIO()
                 torch.save(state.values[fqn], buffer)
                 buffer.seek(0)
@@ -281,6 +282,17 @@ def describe_step(reader: Any) -> list[dict[str, Any]] | None:
             }
         )
     return out
+
+
+def step_contents(
+    reader: Any,
+) -> tuple[Metadata, dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, ...]]], dict]:
+    """``(metadata, pieces, values)`` of an open step written through this module, validated
+    as a load validates it: torch's metadata, ``{(key, box offsets): (piece, box sizes)}``
+    and each non-tensor value decoded from its JSON. For the store's commands, which read
+    such a step as global tensors (``zerostate.store.dcp_steps``)."""
+    state = _parse_step(reader)
+    return state.metadata, dict(state.pieces), dict(state.values)
 
 
 def _parse_step(reader: Any) -> _Step:

@@ -11,9 +11,12 @@ of a finished save and copies the next save's state into them: the blocked time 
 A set of buffers is reused only once the save that read it is known to be done with it: its
 rank's ``write_data`` has returned (every byte of this rank is in storage, or the save
 failed). Staging while the previous save is still writing (the caller did not wait on its
-future) gets a new set; a save that failed before it wrote anything never frees its set, and
-the next one simply allocates. At most one finished set is kept, so the host memory held
-between saves is one copy of this rank's state. ``write_data`` recognises its set by the
+future) gets a new set, and the older one is no longer tracked: its save keeps its buffers
+alive until it finishes, and they are never handed out again. A save whose release never
+arrives (it failed before writing, or DCP's staging process wrote it, releasing its own
+unpickled copy) is forgotten at the next staging the same way, and that one allocates. At
+most one finished set and the newest staged one are kept, so the host memory held between
+saves is one copy of this rank's state. ``write_data`` recognises its set by the
 storage of the tensors the planner hands it, not by order, so no interleaving of saves can
 free a set that a running save still reads.
 """
@@ -71,7 +74,12 @@ class StagingBuffers:
                 self._idle = reuse
             raise
         with self._lock:
-            self._busy.append(staged_set)
+            # Only the newest staged set is tracked for reuse. An older one still being
+            # written is forgotten (its save holds its buffers until done; they are never
+            # handed out again), and so is one whose release never comes here (a save that
+            # failed before writing, or one written by DCP's staging process): host memory
+            # held between saves stays one copy.
+            self._busy = [staged_set]
         return staged
 
     def release(self, tensors: list[torch.Tensor]) -> None:

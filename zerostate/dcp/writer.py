@@ -29,12 +29,12 @@ from zerostate import jsonstate
 from zerostate.dcp.common import (
     ATTR,
     DCP_VERSION,
+    Piece,
     _check_step,
     _GlobalPlan,
-    _Piece,
-    _piece_name,
     _rank_of_caller,
     _root_text,
+    piece_name,
 )
 from zerostate.dcp.staging import StagingBuffers
 from zerostate.errors import (
@@ -161,7 +161,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         coordinator = self._rank
         if world_size > fmt.MAX_RANKS + 1:
             raise ConfigError(f"{world_size} ranks exceed the store's {fmt.MAX_RANKS + 1}")
-        pieces: list[_Piece] = []
+        pieces: list[Piece] = []
         for index, plan in enumerate(plans):
             store_rank = (index - coordinator) % world_size
             seq = 0
@@ -176,8 +176,8 @@ class StorageWriter(dcp_storage.StorageWriter):
                 except ConfigError as exc:
                     raise ConfigError(f"{item.index.fqn}: {exc}") from None
                 pieces.append(
-                    _Piece(
-                        _piece_name(store_rank, seq, item.index.fqn),
+                    Piece(
+                        piece_name(store_rank, seq, item.index.fqn),
                         item.index.fqn,
                         tuple(int(o) for o in td.chunk.offsets),
                         tuple(int(s) for s in td.chunk.sizes),

@@ -47,6 +47,7 @@ from zerostate.errors import ConfigError
 from zerostate.layout.mesh_layout import MeshLayout
 from zerostate.layout.partition import even_layout, plan_layouts
 from zerostate.store import geometry as mesh_mod
+from zerostate.store.format import TensorInfo
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.rows import LazyShard
 from zerostate.store.sources import open_source
@@ -129,6 +130,13 @@ def reshard(
         target.delete_step(st.step)
     target.remove_partial(only_step=st.step)
 
+    if st.dcp_pieces:
+        if tp > 1:
+            raise ConfigError(
+                f"step {st.step} of {st.url} was written through zerostate.dcp; it reshards "
+                "to FSDP2's layout at a number of ranks (--world-size), not to a tp degree"
+            )
+        return _reshard_dcp(st, target, world_size, progress)
     infos = list(st.tensors.values())
     numels = [int(i.numel) for i in infos]
     if tp > 1 or any(_source_tp_dim(st, i.name) is not None for i in infos):
@@ -155,6 +163,32 @@ def reshard(
 
     total = _write_ranks(st, target, infos, specs, attrs, world_size, shards_of, progress)
     return ReshardResult(st.step, int(st.world_size), world_size, len(infos), total)
+
+
+def _reshard_dcp(
+    st: Any, target: Any, world_size: int, progress: ProgressFn | None
+) -> ReshardResult:
+    """:func:`reshard` of a step written through ``zerostate.dcp``: a DCP step again, with
+    the pieces FSDP2 saves at ``world_size`` ranks ([Note: DCP reshard layout] in
+    zerostate.store.dcp_steps), each streamed from the source's global tensor."""
+    # Imported here: torch's checkpoint metadata types, for such a step only.
+    from zerostate.store.dcp_steps import ATTR, fsdp_plan
+
+    plan = fsdp_plan(st, world_size)
+    attrs: dict[str, Any] = {ATTR: plan.document}
+    attrs["resharded_from"] = {"world_size": int(st.world_size), "step": int(st.step)}
+
+    def shards_of(rank: int) -> dict[str, LazyShard]:
+        shards = {}
+        for spec in plan.specs:
+            if spec.layout.first_owner == rank and spec.layout.numel:
+                key, lo, hi = plan.sources[spec.name]
+                shards[spec.name] = LazyShard(hi - lo, spec.dtype, _KeyRange(st, key, lo, hi))
+        return shards
+
+    infos = [TensorInfo(s.name, s.shape, s.dtype, s.layout) for s in plan.specs]
+    total = _write_ranks(st, target, infos, plan.specs, attrs, world_size, shards_of, progress)
+    return ReshardResult(st.step, int(st.world_size), world_size, len(st.globals), total)
 
 
 def _write_ranks(
@@ -228,6 +262,19 @@ class _SourceRange(_Blocks):
     def _fill(self, first: int, stop: int) -> torch.Tensor:
         out = _block(stop - first, self.info.dtype)
         return self.st.read_range(self.info.name, self.lo + first, self.lo + stop, out)
+
+
+class _KeyRange(_Blocks):
+    """Elements ``[lo, hi)`` of the global tensor of a DCP key."""
+
+    def __init__(self, st: Any, key: str, lo: int, hi: int) -> None:
+        super().__init__(st, st.globals[key], hi - lo)
+        self.key, self.lo = key, lo
+
+    def _fill(self, first: int, stop: int) -> torch.Tensor:
+        out = _block(stop - first, self.info.dtype)
+        (got,) = self.st.read_keys([(self.key, self.lo + first, self.lo + stop, out)])
+        return got
 
 
 def _block(numel: int, dtype: torch.dtype) -> torch.Tensor:

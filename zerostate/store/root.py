@@ -112,6 +112,11 @@ class CheckpointRoot:
         return self._storage
 
     @property
+    def num_threads(self) -> int:
+        """Read threads of each step this root opens."""
+        return self._num_threads
+
+    @property
     def url(self) -> str:
         return self._storage.url
 

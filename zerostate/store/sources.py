@@ -2,10 +2,14 @@
 
 The format is chosen by what the location holds, never by its name: a DCP ``.metadata``,
 a DeepSpeed ``latest`` file, ``global_step*`` tag or ``*_optim_states.pt`` files, else a
-zerostate root. Every command and ``engine.load`` open checkpoints through here.
+zerostate root. Every command and ``engine.load`` open checkpoints through here. A zerostate
+root's steps written through ``zerostate.dcp`` are read as global tensors ([Note: DCP steps
+as global tensors] in zerostate.store.dcp_steps).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from zerostate.errors import ConfigError
 from zerostate.store.foreign.detect import detect
@@ -20,7 +24,7 @@ def open_source(
     """The checkpoint at ``root`` (path or fsspec URL), whatever its format. A peer's
     reader is imported only when the location is that peer's. An open
     :class:`CheckpointRoot` (an engine's, kept across its saves and loads) is read through
-    its own storage, and is itself the answer when it holds zerostate steps."""
+    its own storage and its save memory; a zerostate root is a :class:`SourceRoot`."""
     opened = root if isinstance(root, CheckpointRoot) else None
     if opened is not None and storage_options:
         raise ConfigError("storage_options were given with an already open root")
@@ -37,4 +41,28 @@ def open_source(
             return DeepSpeedCheckpoint(storage, num_threads)
     except FileNotFoundError:
         pass  # a missing root: the zerostate reader names the cause
-    return opened if opened is not None else CheckpointRoot(storage, num_threads)
+    if opened is not None:
+        return SourceRoot(opened.storage, opened.num_threads, opened.memory)
+    return SourceRoot(storage, num_threads)
+
+
+class SourceRoot(CheckpointRoot):
+    """A zerostate root as the commands and loads read it: a step written through
+    ``zerostate.dcp`` opens as its global tensors (:class:`~zerostate.store.dcp_steps.
+    DcpStoreStep`), every other step as :meth:`CheckpointRoot.step` opens it."""
+
+    def step(self, step: int | None = None) -> Any:
+        st = super().step(step)
+        attrs = st.attrs if isinstance(st.attrs, dict) else {}
+        if "dcp" not in attrs or "engine" in attrs:
+            return st
+        # Imported only for such a step: it brings torch's checkpoint metadata types.
+        from zerostate.store.dcp_steps import DcpStoreStep, is_dcp_step
+
+        if not is_dcp_step(st):
+            return st
+        try:
+            return DcpStoreStep(st, self.num_threads)
+        except BaseException:
+            st.close()
+            raise

@@ -41,6 +41,9 @@ class StepBase:
     #: ``alias(name, existing)`` works: the format cannot tell some tensors apart (DCP
     #: stores buffers among the model's tensors) and a loader names them.
     supports_aliases: ClassVar[bool] = False
+    #: The step was written through ``zerostate.dcp`` and is read as its global tensors
+    #: (``dcp_steps.DcpStoreStep``): ``reshard`` writes it as a DCP step again.
+    dcp_pieces: ClassVar[bool] = False
     #: Any range of any tensor is read from files on this host, through the page cache the
     #: host's ranks share: a range several ranks read costs memory copies, not network
     #: transfers or requests, so a loader may read a replicated tensor whole on every rank

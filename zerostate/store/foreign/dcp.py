@@ -193,7 +193,7 @@ def open_dcp(storage: Storage, num_threads: int = 8) -> DcpStep:
                 )
         return archives[key]
 
-    builder = _Names()
+    builder = DcpNames()
     for fqn, entry in entries.items():
         if not isinstance(fqn, str):
             raise CorruptCheckpointError(f"{where}: a key is not a string")
@@ -265,17 +265,20 @@ def _chunk_segments(
     return segs
 
 
-class _Names:
-    """Sorts DCP keys into model tensors, optimizer state and other objects."""
+class DcpNames:
+    """Sorts DCP keys into model tensors, optimizer state and other objects ([Note: DCP
+    names]). Tensors are any objects with ``shape`` and ``dtype``: this module's
+    :class:`ForeignTensor` and the global tensors of a step written through
+    ``zerostate.dcp`` (``zerostate.store.dcp_steps``) share the naming."""
 
     def __init__(self) -> None:
-        self.model: dict[str, ForeignTensor] = {}
+        self.model: dict[str, Any] = {}
         self.optim: dict[str, dict[str, Any]] = {}  # fqn -> key -> tensor or value
         self.groups: dict[int, dict[str, Any]] = {}
         self.param_hyper: dict[str, dict[str, Any]] = {}
         self.objects: list[str] = []
 
-    def add_tensor(self, path: tuple[str, ...], tensor: ForeignTensor) -> None:
+    def add_tensor(self, path: tuple[str, ...], tensor: Any) -> None:
         if path[0] == "optimizer" or path[0] == "optim":
             self._optim(path[1:], tensor)
         elif path[0] == "model" and len(path) > 1:
@@ -305,32 +308,29 @@ class _Names:
         else:
             self.objects.append("optimizer." + ".".join(path))
 
-    def build(
-        self, url: str, world_size: int, archives: list[TorchArchive], num_threads: int
-    ) -> DcpStep:
-        tensors: list[ForeignTensor] = []
-        for fqn, t in self.model.items():
-            tensors.append(ForeignTensor(f"model/{fqn}", t.shape, t.dtype, t.segments))
+    def engine_view(
+        self, world_size: int, read_whole: Callable[[Any], torch.Tensor], is_tensor: type
+    ) -> tuple[int, dict[str, Any], dict]:
+        """``(optimizer step, {zerostate name: tensor}, attrs)``: the tensors under the
+        names zerostate gives them (``model/<fqn>``, ``optim/<key>/<fqn>``) and the engine
+        state a load restores. Optimizer state of another shape than its parameter (the
+        ``step`` counts) is read whole with ``read_whole`` and kept as a scalar."""
+        tensors: dict[str, Any] = {f"model/{fqn}": t for fqn, t in self.model.items()}
         moments: dict[str, list[str]] = {}
         scalars: dict[str, dict[str, Any]] = {}
-        probe = ForeignStep(url, 0, world_size, {}, [], [], 1)
         for fqn, state in self.optim.items():
             param = self.model.get(fqn)
             keys = []
             for key, value in state.items():
                 if (
-                    isinstance(value, ForeignTensor)
+                    isinstance(value, is_tensor)
                     and param is not None
                     and value.shape == param.shape
                 ):
-                    tensors.append(
-                        ForeignTensor(
-                            f"optim/{key}/{fqn}", value.shape, value.dtype, value.segments
-                        )
-                    )
+                    tensors[f"optim/{key}/{fqn}"] = value
                     keys.append(key)
-                elif isinstance(value, ForeignTensor):
-                    scalars.setdefault(fqn, {})[key] = _read_whole(probe, value)
+                elif isinstance(value, is_tensor):
+                    scalars.setdefault(fqn, {})[key] = read_whole(value)
                 elif isinstance(value, int | float | bool):
                     scalars.setdefault(fqn, {})[key] = value
             moments[fqn] = sorted(keys)
@@ -357,6 +357,16 @@ class _Names:
             "client_state": None,
             "dcp": {"other_keys": sorted(self.objects)},
         }
+        return step, tensors, attrs
+
+    def build(
+        self, url: str, world_size: int, archives: list[TorchArchive], num_threads: int
+    ) -> DcpStep:
+        probe = ForeignStep(url, 0, world_size, {}, [], [], 1)
+        step, named, attrs = self.engine_view(
+            world_size, lambda t: _read_whole(probe, t), ForeignTensor
+        )
+        tensors = [ForeignTensor(name, t.shape, t.dtype, t.segments) for name, t in named.items()]
         return DcpStep(url, step, world_size, attrs, tensors, archives, num_threads)
 
     def _groups(self) -> tuple[list[list[str]], list[dict]]:
@@ -574,7 +584,7 @@ def open_hf_safetensors(storage: Storage, num_threads: int = 8) -> DcpStep:
                     f"{blob.url}: saved_offsets of {name!r} do not match its shape"
                 )
             chunks.setdefault(name, []).append((offsets, blob, stored))
-    builder = _Names()
+    builder = DcpNames()
     for name, parts in chunks.items():
         dtypes = {stored.dtype for _, _, stored in parts}
         if len(dtypes) != 1:

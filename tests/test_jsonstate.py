@@ -1,0 +1,63 @@
+"""``zerostate.jsonstate``: bytes and ``io.BytesIO`` values (a Stateful's blob, DCP's own
+tests keep a ``torch.save``-d list in one) survive JSON exactly and are validated on decode."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from zerostate import jsonstate
+from zerostate.errors import ConfigError, CorruptCheckpointError
+
+
+def _round_trip(value):
+    return jsonstate.decode(json.loads(json.dumps(jsonstate.encode(value))))
+
+
+def test_bytes_and_bytesio_round_trip_with_contents_and_position() -> None:
+    blob = bytes(range(256)) + b"\x80\x04 not a pickle to us"
+    buffer = io.BytesIO()
+    torch.save([0.25, 1.5], buffer)  # left at its end, as torch.save leaves it
+    value = {"blob": blob, "empty": b"", "buf": buffer, 7: (b"k", io.BytesIO(b"xyz"))}
+    back = _round_trip(value)
+    assert type(back["blob"]) is bytes and back["blob"] == blob
+    assert back["empty"] == b""
+    assert type(back["buf"]) is io.BytesIO
+    assert back["buf"].getvalue() == buffer.getvalue()
+    assert back["buf"].tell() == buffer.tell() == len(buffer.getvalue())
+    back["buf"].seek(0)
+    assert torch.load(back["buf"]) == [0.25, 1.5]
+    key, inner = back[7]
+    assert key == b"k" and inner.getvalue() == b"xyz" and inner.tell() == 0
+    # A user's key that spells a marker stays a key.
+    assert _round_trip({"__zs_bytes__": "plain text"}) == {"__zs_bytes__": "plain text"}
+
+
+def test_bytes_like_values_that_would_not_round_trip_are_refused() -> None:
+    closed = io.BytesIO(b"gone")
+    closed.close()
+    with pytest.raises(ConfigError, match=r"state\['c'\] is a closed io.BytesIO"):
+        jsonstate.encode({"c": closed})
+    with pytest.raises(ConfigError, match="bytearray"):
+        jsonstate.encode({"b": bytearray(b"ab")})
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"__zs_bytes__": "not base64!"},
+        {"__zs_bytes__": 3},
+        {"__zs_bytesio__": {"data": "AAAA"}},
+        {"__zs_bytesio__": {"data": "AAAA", "pos": -1}},
+        {"__zs_bytesio__": {"data": "AAAA", "pos": True}},
+        {"__zs_bytesio__": {"data": "AAAA", "pos": 1 << 62}},
+        {"__zs_bytesio__": {"data": "@@", "pos": 0}},
+        {"__zs_bytesio__": ["AAAA", 0]},
+    ],
+)
+def test_malformed_bytes_markers_are_refused(stored) -> None:
+    with pytest.raises(CorruptCheckpointError):
+        jsonstate.decode(stored)
