@@ -146,12 +146,22 @@ def _tiers_and_faults(rank: int, world_size: int, tmp: str, per_node: int) -> di
     dist.barrier()
     loaded("replica").close()
     out["restored"] = os.path.exists(os.path.join(run_dir, "step-00000005", COMMIT))
-    # A damaged row in node 0's memory: the load falls back to the durable root.
+    # A damaged row in node 0's memory, its replica on node 1 intact: the first try fails
+    # its checksum, the nodes re-read their copies and node 0 gets that row from node 1.
+    run_name = os.path.basename(run_dir)
     dist.barrier()
     if rank == 0:
-        _flip(os.path.join(nodes[0], os.path.basename(run_dir), "step-00000005", "model/c/0/0"))
+        _flip(os.path.join(nodes[0], run_name, "step-00000005", "model/c/0/0"))
     dist.barrier()
     loaded("damaged").close()
+    # Rank 0's row damaged in every copy of every memory step (node 1, restored above, holds
+    # step 5 only): the durable root's step 4.
+    dist.barrier()
+    if rank == 0:
+        for node, step in [(0, 4), (0, 5), (1, 5)]:
+            _flip(os.path.join(nodes[node], run_name, f"step-{step:08d}", "model/c/0/0"), at=7)
+    dist.barrier()
+    loaded("both_damaged").close()
     # Both nodes' memory lost: the newest durable step, said so.
     dist.barrier()
     if rank % per_node == 0:
@@ -184,7 +194,8 @@ def test_memory_tier_retention_durable_copies_and_faults(tmp_path):
         assert r["durable_steps"] == [2, 4]  # every second memory save
         assert r["memory_step"] == 5 and r["memory_equal"], r
         assert r["replica_step"] == 5 and r["replica_equal"] and r["restored"], r
-        assert r["damaged_step"] == 4 and r["damaged_equal"], r
+        assert r["damaged_step"] == 5 and r["damaged_equal"], r
+        assert r["both_damaged_step"] == 4 and r["both_damaged_equal"], r
         assert r["lost_step"] == 4 and r["lost_equal"], r
         # Host RAM per node: its own rank's rows and the other node's replica, for the
         # 2 kept steps, plus small documents.
@@ -194,9 +205,12 @@ def test_memory_tier_retention_durable_copies_and_faults(tmp_path):
     first = results[0]
     assert "memory tier: 2 node(s) from their own memory" in first["memory_report"]
     assert "node(s) [1] from their peers' replicas" in first["replica_report"]
-    assert (
-        "durable tier" in first["damaged_report"] and "failed to load" in (first["damaged_report"])
-    )
+    damaged = first["damaged_report"]
+    assert "step 5 from the memory tier" in damaged, damaged
+    assert "node(s) [0] from their peers' replicas after memory step 5 failed to load" in damaged
+    both = first["both_damaged_report"]
+    assert "from the durable tier" in both and "memory step 5 failed to load" in both, both
+    assert "memory step 4 cannot be assembled" in both, both
     assert "durable tier" in first["lost_report"] and "holds no step" in first["lost_report"]
 
 

@@ -35,9 +35,16 @@ class Choice:
 
 
 def choose(
-    tiers: MemoryTiers, durable: CheckpointRoot, step: int | None, settle: Callable[[], None]
+    tiers: MemoryTiers,
+    durable: CheckpointRoot,
+    step: int | None,
+    settle: Callable[[], None],
+    verify: bool = False,
 ) -> tuple[Choice | None, str]:
-    """Collective: the memory step to load (None: the durable root's) and why."""
+    """Collective: the memory step to load (None: the durable root's) and why. ``verify``:
+    a node holds only the ranks whose rows its leader re-read and found intact
+    (:meth:`~zerostate.store.memory_tier.MemoryTier.intact_ranks`), for a second try after
+    a load met a damaged copy."""
     coordinator = tiers.coordinator
     tier, nodes = tiers.tier(durable.location), tiers.nodes()
     holdings, note, error = [], "", None
@@ -93,9 +100,12 @@ def choose(
             continue
         ((ws, crc),) = seen[s]
         mine = next((h for h in holdings if h.step == s and h.record_crc == crc), None)
+        ranks = mine.ranks if mine else frozenset()
+        if verify:  # the leader reads the node's copy once; the others add nothing to it
+            ranks = _intact(tier, s, ranks) if nodes.is_leader(coordinator.rank) else frozenset()
         words = (ws + 61) // 62
         mask = [0] * words
-        for r in mine.ranks if mine else ():
+        for r in ranks:
             mask[r // 62] |= 1 << (r % 62)
         masks = coordinator.exchange(mask)
         held: dict[int, set[int]] = {}
@@ -108,6 +118,15 @@ def choose(
     if step is None and durable_latest >= 0 and seen and max(seen) < durable_latest:
         why = f"the memory tier's newest step is older than the root's step {durable_latest}"
     return None, why
+
+
+def _intact(tier: MemoryTier, step: int, held: frozenset[int]) -> frozenset[int]:
+    if not held:
+        return held
+    try:
+        return tier.intact_ranks(step, tier.record(step)[1])
+    except (CheckpointError, OSError):
+        return frozenset()
 
 
 def assemble(tiers: MemoryTiers, durable: CheckpointRoot, choice: Choice) -> list[int]:
@@ -242,28 +261,51 @@ def load(
     """Collective: load the newest step any tier can assemble and say on rank 0 where it
     came from. ``run(storage, step)`` runs one ordinary load session, of the memory tier's
     storage or (``storage`` None) of the durable root as the caller named it."""
-    coordinator = tiers.coordinator
     choice, why = choose(tiers, durable, step, settle)
     if choice is not None:
-        try:
-            fetched = assemble(tiers, durable, choice)
-            tier = tiers.tier(durable.location)
-            result = run(tier.root.storage, choice.step)
-        except Exception as exc:
-            why = f"memory step {choice.step} failed to load ({exc}); fell back"
-            if coordinator.rank == 0:
-                log.warning("zerostate: %s", why)
-        else:
-            nodes = len(set(tiers.nodes().node_of))
-            served = f"{nodes - len(fetched)} node(s) from their own memory"
-            if fetched:
-                served += f", node(s) {fetched} from their peers' replicas"
-            _report(tiers, f"step {choice.step} from the memory tier: {served}")
-            durable.memory.own = True
+        result, failed = _from_memory(tiers, durable, choice, run, "")
+        if failed is None:
             return result
+        # A copy failed its checks: the nodes re-read what they hold and load again from the
+        # intact copies (a damaged row comes from its replica), else from the durable root.
+        choice, why = choose(tiers, durable, step, lambda: None, verify=True)
+        if choice is not None:
+            result, again = _from_memory(tiers, durable, choice, run, f" after {failed}")
+            if again is None:
+                return result
+            why = again
+        else:
+            why = f"{failed}; {why}"
     result = run(None, step)
     _report(tiers, f"from the durable tier {durable.url} ({why})")
     return result
+
+
+def _from_memory(
+    tiers: MemoryTiers,
+    durable: CheckpointRoot,
+    choice: Choice,
+    run: Callable[[Any, int | None], Any],
+    note: str,
+) -> tuple[Any, str | None]:
+    """Collective: ``(result, None)``, or ``(None, why)`` when the step failed to load (the
+    engine left as it was)."""
+    try:
+        fetched = assemble(tiers, durable, choice)
+        tier = tiers.tier(durable.location)
+        result = run(tier.root.storage, choice.step)
+    except Exception as exc:
+        why = f"memory step {choice.step} failed to load ({exc})"
+        if tiers.coordinator.rank == 0:
+            log.warning("zerostate: %s; falling back", why)
+        return None, why
+    nodes = len(set(tiers.nodes().node_of))
+    served = f"{nodes - len(fetched)} node(s) from their own memory"
+    if fetched:
+        served += f", node(s) {fetched} from their peers' replicas"
+    _report(tiers, f"step {choice.step} from the memory tier: {served}{note}")
+    durable.memory.own = True
+    return result, None
 
 
 def _report(tiers: MemoryTiers, text: str) -> None:

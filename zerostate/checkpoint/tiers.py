@@ -40,9 +40,12 @@ nodes hold between them and that is at least as new as the root's latest committ
 copies the rows a node lacks to that node's leader from a node holding them (a replaced
 machine gets its ranks' rows back from their replicas), and then runs the ordinary load
 session on the node's memory directory. Any failure there (a damaged row, a record that
-does not validate) is agreed by every rank, leaves the engine as it was ([Note: nothing
-lands before every rank has read] in zerostate.checkpoint.load) and the load falls back to
-the durable root, saying so on rank 0.
+does not validate) is agreed by every rank and leaves the engine as it was ([Note: nothing
+lands before every rank has read] in zerostate.checkpoint.load). The load then tries once
+more with what is intact: each node's leader re-reads the copy it holds against the
+checksums and reports only the ranks whose rows pass, so a damaged row is fetched again
+from its replica on another node; when no step can be assembled from intact copies, the
+load falls back to the durable root. Rank 0 says which tiers served the step, and why.
 
 Limits: one node has no replica (said once); a node fetching rows gets all it lacks.
 """
@@ -226,13 +229,19 @@ class MemorySave:
         except Exception as exc:
             error = exc
         coordinator.agree(error, f"spreading the manifests of memory step {step}")
+        meta: Any = None
         try:
-            meta = None
             if rank == 0:
                 writer.commit(wait=False)
                 meta = pack(self._meta_files(step))
-            meta = broadcast_bytes(coordinator, meta, 0)
-            if rank != 0 and nodes.is_leader(rank):
+        except Exception as exc:
+            error = exc
+        # Every rank joins the broadcast, rank 0 also when its commit failed (it sends
+        # nothing): a collective one rank skips leaves the others waiting in it until the
+        # process group's timeout, and pairs their next collectives with the wrong ones.
+        meta = broadcast_bytes(coordinator, meta, 0)
+        try:
+            if meta and rank != 0 and nodes.is_leader(rank):
                 files = unpack(meta, f"metadata of memory step {step} from rank 0")
                 for rel, data in files:  # the commit record comes last in the bundle
                     tier.write(step, rel, data)

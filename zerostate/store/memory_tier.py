@@ -37,6 +37,7 @@ from zerostate.errors import CheckpointError
 from zerostate.store import format as fmt
 from zerostate.store import format2
 from zerostate.store.local import LocalStorage
+from zerostate.store.problems import VerifyError
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.rows import row_path
 
@@ -166,6 +167,23 @@ class MemoryTier:
             if all(_size(storage, f"{directory}/{p}") == n for p, n in paths):
                 held.add(r)
         return frozenset(held)
+
+    def intact_ranks(self, step: int, record: format2.StepRecord) -> frozenset[int]:
+        """:meth:`held_ranks` less those with a row that fails its checks when re-read in
+        full; none when a document, a manifest or the step itself fails them. For a load
+        that met a damaged copy: it reads every byte this node holds of the step."""
+        held = self.held_ranks(step, record)
+        if not held:
+            return held
+        try:
+            self.root.step(step).verify()
+        except VerifyError as exc:
+            if any(p.rank is None for p in exc.problems):
+                return frozenset()
+            return held - {p.rank for p in exc.problems}
+        except (CheckpointError, OSError):
+            return frozenset()
+        return held
 
     def holdings(self, newest: int = 4) -> list[Holding]:
         """The newest ``newest`` committed steps this node holds (newest first); a step
