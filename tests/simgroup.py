@@ -80,6 +80,19 @@ def _all_gather(output, input, *, group, stats, async_op=False):
     return Handle(None)
 
 
+def _all_gather_in_place(pieces, *, group, stats):
+    tensors = [t for ts in pieces for t in ts]
+    if tensors:
+        _record(stats, "all_gather", sum(t.numel() for t in tensors), tensors[0])
+    mine = group.rank()
+    everyone = group.exchange([t.clone() for t in pieces[mine]])
+    for r, ts in enumerate(pieces):
+        if r != mine:
+            for t, v in zip(ts, everyone[r], strict=True):
+                t.copy_(v)
+    return Handle(None)
+
+
 def _broadcast_from_first(tensors, *, group):
     first = group.exchange([t.clone() for t in tensors])[0]
     for t, v in zip(tensors, first, strict=True):
@@ -95,6 +108,9 @@ def run_sim(fn: Callable[[int, SimGroup], Any], world_size: int, monkeypatch) ->
         ("all_reduce", _all_reduce),
         ("reduce_scatter", _reduce_scatter),
         ("all_gather", _all_gather),
+        ("all_gather_in_place", _all_gather_in_place),
+        # The in-place path ([Note: in-place gathers] in zerostate.dist.comm) runs too.
+        ("gathers_in_place", lambda tensor, group: True),
         ("broadcast_from_first", _broadcast_from_first),
         ("barrier", _barrier),
     ):

@@ -318,6 +318,30 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, **options: Any) -> Han
     return _segmented("all_gather", output, input, **options)
 
 
+def gathers_in_place(tensor: torch.Tensor, group: Any) -> bool:
+    """Whether :func:`all_gather_in_place` suits ``group`` for tensors like ``tensor``: a
+    backend that runs an all-gather as rooted collectives anyway ([Note: gloo segments])."""
+    return _by_segment(tensor, group)
+
+
+def all_gather_in_place(
+    pieces: list[list[torch.Tensor]], *, group: Any, stats: CommStats | None
+) -> Handle:
+    """An all-gather whose segments already lie where they belong, asynchronously: every
+    tensor of ``pieces[r]`` holds rank r's values on rank r and receives them, in place,
+    on every other rank (one ``broadcast`` each, [Note: gloo segments]). Counted as one
+    all-gather of all their elements ([Note: comm accounting])."""
+    tensors = [t for ts in pieces for t in ts]
+    if tensors:
+        _count(stats, "all_gather", sum(t.numel() for t in tensors), tensors[0])
+    works = [
+        dist.broadcast(t, _global_rank(group, r), group=group, async_op=True)
+        for r, ts in enumerate(pieces)
+        for t in ts
+    ]
+    return Handle(_Works(works))
+
+
 def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:
     """Overwrite ``tensors`` on every rank with the group's first rank's values (in place).
 

@@ -399,15 +399,93 @@ def all_gather_groups(
     dtype: torch.dtype,
     counted: bool = True,
 ) -> None:
-    """All-gather several parameter groups into full ``targets``, pipelined; blocking."""
+    """All-gather several parameter groups into full ``targets``, pipelined; blocking.
+    Large parameters whose targets are of ``dtype`` are gathered in place where the backend
+    allows ([Note: in-place gathers])."""
     inflight = InFlight()
     for layout, group_shards, group_targets in zip(layouts, shards, targets, strict=True):
+        in_place = _in_place_members(ctx, layout, group_targets, dtype)
+        if in_place:
+            inflight.make_room()
+            inflight.add(
+                _all_gather_in_place(
+                    ctx,
+                    layout,
+                    [(i, group_shards[i], group_targets[i]) for i in in_place],
+                    counted=counted,
+                )
+            )
+            chosen = set(in_place)
+            packed = [i for i in range(len(layout.params)) if i not in chosen]
+            if not packed:
+                continue
+            layout = FlatLayout([layout.params[i] for i in packed], layout.world_size, layout.rank)
+            group_shards = [group_shards[i] for i in packed]
+            group_targets = [group_targets[i] for i in packed]
         inflight.make_room()
         op, _ = start_all_gather(
             ctx, layout, group_shards, group_targets, dtype=dtype, counted=counted
         )
         inflight.add(op)
     inflight.drain()
+
+
+#: Smallest parameter gathered in place ([Note: in-place gathers]): below it, one more
+#: collective per rank costs more than packing and unpacking its elements.
+IN_PLACE_MIN_NUMEL = 1 << 17
+
+
+def _in_place_members(
+    ctx: CommContext,
+    layout: FlatLayout,
+    targets: Sequence[torch.Tensor],
+    dtype: torch.dtype,
+) -> list[int]:
+    """[Note: in-place gathers]
+    Packing every rank's shards into one buffer and unpacking it into the full tensors
+    copies each gathered element twice more than the collective itself. Where the backend
+    runs an all-gather as one rooted collective per segment anyway (gloo, [Note: gloo
+    segments]), a parameter needs no buffer: its full flat tensor already has every rank's
+    owned range in place ([Note: bucket layout]), so each range is broadcast from its owner
+    straight into the tensor, and a shard that is a view of its own range (an fp32 master
+    aliasing the working parameter) is not copied at all. That costs ``world_size``
+    collectives per parameter, so only parameters of at least :data:`IN_PLACE_MIN_NUMEL`
+    elements go this way; the others share a packed buffer as before. The choice depends on
+    sizes and dtypes only, so every rank makes the same one and issues the same
+    collectives."""
+    if ctx.world_size == 1 or not targets:
+        return []
+    if not collectives.gathers_in_place(targets[0], ctx.group):
+        return []
+    return [
+        i
+        for i, (p, t) in enumerate(zip(layout.params, targets, strict=True))
+        if p.numel >= IN_PLACE_MIN_NUMEL and t.dtype == dtype and t.is_contiguous()
+    ]
+
+
+def _all_gather_in_place(
+    ctx: CommContext,
+    layout: FlatLayout,
+    members: list[tuple[int, torch.Tensor, torch.Tensor]],
+    *,
+    counted: bool,
+) -> PendingOp:
+    """[Note: in-place gathers]: ``members`` are ``(index in layout, shard, full target)``."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(ctx.world_size)]
+    for i, shard, full in members:
+        c, numel = layout.chunks[i], layout.params[i].numel
+        for r in range(ctx.world_size):
+            piece = full[r * c : min((r + 1) * c, numel)]
+            if not piece.numel():
+                continue
+            if r == ctx.rank and piece.data_ptr() != shard.data_ptr():
+                piece.copy_(shard)
+            pieces[r].append(piece)
+    handle = collectives.all_gather_in_place(
+        pieces, group=ctx.group, stats=ctx.stats if counted else None
+    )
+    return PendingOp(handle, None)
 
 
 def _copy_unaliased(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -29,6 +29,19 @@ so no working-dtype gradient outlives its hook, and on the boundary one reduce-s
 in place (the output is this rank's own segment of the same buffer). No second full-size
 buffer exists at any time.
 
+[Note: written on arrival]
+The local buffer is never zeroed between steps. The first gradient of a parameter in an
+accumulation window is copied into its place (cast to the reduce dtype), later ones are
+added, and a parameter whose gradient never came has its place zeroed when its group is
+launched. So a step writes each gradient element once where zeroing the buffer and adding
+into it wrote it twice and read it once more. At stage 0 with views the parameter's
+``.grad`` is None until its first gradient of the window: autograd hands its freshly
+computed tensor over (no add into a zeroed view), the hook copies it into the buffer and
+puts the view in ``.grad``, where the window's later micro-steps accumulate in place.
+After the step ``.grad`` is None again, as after torch's ``zero_grad()``. Padding is
+zeroed once, when the buffer is made: the reduce sums zeros there on every rank, so it
+stays zero.
+
 [Note: partitioned parameters]
 Every parameter stays an ``nn.Parameter`` of its full shape inside the model, but its
 storage is resized to zero bytes whenever its group is not gathered; the rank keeps only
@@ -163,6 +176,9 @@ class ParamGroup:
             offset += p.numel
         #: Full gradients accumulated locally (stages 0-1; [Note: local accumulation layout]).
         self.acc: torch.Tensor | None = None
+        #: Per trainable: its place in ``acc`` holds this window's gradient ([Note: written
+        #: on arrival]); False means stale values, not zeros.
+        self._written = [False] * len(self.trainable)
         #: fp32 gradient shard of the owned ranges (stages 2-3), summed over micro-steps.
         self.grad_shard: torch.Tensor | None = None
         self.fresh = True  # no gradient communicated since the last zero()
@@ -325,26 +341,58 @@ class ParamGroup:
 
     def _attach_flat_grads(self) -> None:
         # Autograd accumulates into an existing .grad in place, so a view keeps the buffer
-        # as the one gradient storage (re-attached if the user replaced or dropped it).
+        # as the one gradient storage (re-attached if the user replaced or dropped it). A
+        # parameter without a gradient in this window keeps None ([Note: written on
+        # arrival]); a .grad the user put there joins the window's sum.
         for i, p in enumerate(self.trainable):
-            view = self._flat_view(i).view(p.shape)
             grad = p.param.grad
+            if grad is None and not self._written[i]:
+                continue
+            view = self._flat_view(i).view(p.shape)
             if grad is None or grad.data_ptr() != view.data_ptr():
-                if grad is not None:
-                    view.copy_(grad)
+                self._fold(i, grad)
                 p.param.grad = view
+
+    def _fold(self, index: int, grad: torch.Tensor | None) -> None:
+        """Copy (first in the window) or add ``grad`` into parameter ``index``'s place in the
+        local buffer; ``None`` leaves a written place as it is ([Note: written on arrival])."""
+        if grad is None:
+            return
+        grad = grad.reshape(-1)
+        accumulate = self._written[index]
+        if self.policy.shard_optimizer:
+            self.grad_layout.add_param(self.acc, index, grad, accumulate=accumulate)
+        elif accumulate:
+            self._flat_view(index).add_(grad)
+        else:
+            self._flat_view(index).copy_(grad)
+        self._written[index] = True
+
+    def _zero_unwritten(self) -> None:
+        """A parameter whose gradient never came this window contributes zeros."""
+        for i, written in enumerate(self._written):
+            if written:
+                continue
+            if self.policy.shard_optimizer:
+                self.grad_layout.zero_param(self.acc, i)
+            else:
+                self._flat_view(i).zero_()
+            self._written[i] = True
 
     def on_grad(self, index: int) -> bool:
         """Trainable parameter ``index``'s gradient was accumulated into ``.grad``; fold it
         into the local buffer if there is one. True once every one has arrived."""
         sp = self.trainable[index]
-        if self.acc is not None and not self._grad_views:
-            grad = sp.param.grad.reshape(-1)
-            if self.policy.shard_optimizer:
-                self.grad_layout.add_param(self.acc, index, grad)
+        if self.acc is not None:
+            grad = sp.param.grad
+            if self._grad_views:
+                view = self._flat_view(index).view(sp.shape)
+                if grad.data_ptr() != view.data_ptr():  # the window's first: handed over
+                    self._fold(index, grad)
+                    sp.param.grad = view
             else:
-                self._flat_view(index).add_(grad)
-            sp.param.grad = None
+                self._fold(index, grad)
+                sp.param.grad = None
         self.num_ready += 1
         return self.num_ready == len(self.trainable)
 
@@ -356,6 +404,7 @@ class ParamGroup:
         assert not self.launched, self.name
         self.launched = True
         if self.acc is not None:
+            self._zero_unwritten()
             if self.policy.shard_optimizer:
                 reduce_scatter_in_place(
                     self.ctx, inflight, self.grad_layout, self.acc, on_complete=on_complete
@@ -425,7 +474,11 @@ class ParamGroup:
         """Forget the gradients of the step just taken."""
         self.fresh = True
         if self.acc is not None:
-            self.acc.zero_()
+            # [Note: written on arrival]: the buffer's stale values are overwritten, not zeroed.
+            self._written = [False] * len(self.trainable)
+            if self._grad_views:
+                for p in self.trainable:
+                    p.param.grad = None
         elif not self.policy.shard_params:
             for p in self.trainable:
                 p.param.grad = None

@@ -150,15 +150,23 @@ class FlatLayout:
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def add_param(self, buffer: torch.Tensor, index: int, source: torch.Tensor) -> None:
-        """Add the full flat tensor of parameter ``index`` into its block of ``buffer``."""
+    def add_param(
+        self, buffer: torch.Tensor, index: int, source: torch.Tensor, *, accumulate: bool = True
+    ) -> None:
+        """Add (``accumulate=False``: copy) the full flat tensor of parameter ``index`` into
+        its block of ``buffer``; the block's padding is left as it is."""
         c, p, off = self.chunks[index], self.params[index], self.offsets[index]
         block = buffer[: self.numel].view(self.world_size, self.seg_numel)[:, off : off + c]
         rows, rest = divmod(p.numel, c)
         if rows:
-            block[:rows].add_(source[: rows * c].view(rows, c))
+            _write(block[:rows], source[: rows * c].view(rows, c), accumulate)
         if rest:
-            block[rows, :rest].add_(source[rows * c :])
+            _write(block[rows, :rest], source[rows * c :], accumulate)
+
+    def zero_param(self, buffer: torch.Tensor, index: int) -> None:
+        """Zero parameter ``index``'s block of ``buffer``, padding included."""
+        c, off = self.chunks[index], self.offsets[index]
+        buffer[: self.numel].view(self.world_size, self.seg_numel)[:, off : off + c].zero_()
 
     def tags(self, buffer: torch.Tensor) -> torch.Tensor:
         """``[world_size, num_tags]`` view of every segment's tag elements."""
@@ -181,6 +189,13 @@ class FlatLayout:
                 src.append(block[rows, :rest])
         if dst:
             torch._foreach_copy_(dst, src)
+
+
+def _write(dst: torch.Tensor, src: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        dst.add_(src)
+    else:
+        dst.copy_(src)
 
 
 def _even_chunk(p: ShardedParam, world_size: int) -> int:
