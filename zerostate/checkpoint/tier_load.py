@@ -277,8 +277,23 @@ def load(
         else:
             why = f"{failed}; {why}"
     result = run(None, step)
-    _report(tiers, f"from the durable tier {durable.url} ({why})")
+    _report(
+        tiers, f"{_durable_step(tiers, durable, step)}from the durable tier {durable.url} ({why})"
+    )
     return result
+
+
+def _durable_step(tiers: MemoryTiers, durable: CheckpointRoot, step: int | None) -> str:
+    """Rank 0, which says it: ``"step N "`` of the durable step just loaded (its newest
+    committed step, where none was named; one listing), or ``""`` where it cannot tell."""
+    if tiers.coordinator.rank != 0:
+        return ""
+    if step is not None:
+        return f"step {step} "
+    try:
+        return f"step {durable.latest_step()} "
+    except (CheckpointError, OSError):
+        return ""
 
 
 def _from_memory(
