@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest  # pytest.fail: a server that cannot start fails the tests
+from ports import free_port
 
 S3_KEY = "zerostate-test"
 S3_SECRET = "zerostate-test-secret"
@@ -25,17 +25,17 @@ _STARTUP_TIMEOUT_S = 90.0
 
 
 def _free_ports(count: int) -> list[int]:
-    """Distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
-    socks, ports = [], []
-    try:
-        while len(ports) < count:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
+    """Distinct free TCP ports on 127.0.0.1 from this xdist worker's block below the
+    ephemeral range ([Note: free ports] in tests/ports.py): a port from ``bind(0)`` lies in
+    the ephemeral range, where a gloo pair or HTTP client of a test on the other worker took
+    the S3 port before weed bound it ("bind: address already in use", every S3 test of the
+    session failed at setup)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port in ports:
+            raise RuntimeError(f"the port block is exhausted after {ports}")
+        ports.append(port)
     return ports
 
 
