@@ -206,3 +206,35 @@ def test_a_step_not_written_through_dcp_is_refused_in_one_line(tmp_path):
     writer.commit()
     with pytest.raises(CheckpointError, match="not written through zerostate.dcp"):
         StorageReader(root).read_metadata()
+
+
+def test_the_default_planner_gets_values_without_any_torch_load(root, monkeypatch):
+    """DCP's DefaultLoadPlanner.load_bytes unpickles with weights_only=False; our reader
+    hands it the decoded value directly, so no load through our reader unpickles at all."""
+    calls = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    state = _fresh()
+    dcp.load(state, storage_reader=StorageReader(str(root)))
+    assert calls == []
+    assert state["note"] == "run-7" and state["sched"] == _state()["sched"]
+
+
+def test_a_planner_with_its_own_load_bytes_still_gets_bytes(root):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    seen = {}
+
+    class Recording(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            seen[read_item.dest_index.fqn] = value.getvalue()[:2]
+            super().load_bytes(read_item, value)
+
+    state = _fresh()
+    dcp.load(state, storage_reader=StorageReader(str(root)), planner=Recording())
+    assert state["note"] == "run-7" and seen and all(v[:1] == b"P" for v in seen.values())

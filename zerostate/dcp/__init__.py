@@ -25,8 +25,9 @@ last, so the step is invisible until every rank's writes are durable.
 On load, the metadata is validated before use (names, dtypes, shapes; the boxes of each
 tensor lie inside it, do not overlap and tile it; each box's piece exists with the box's
 shape and dtype), every byte read is checked against its crc32c, and non-tensor values
-reach the planner as bytes this module serialised from the validated JSON, never as bytes
-read from storage.
+are decoded from the validated JSON and placed where DCP's default planner puts them, with
+no unpickling (a planner with its own ``load_bytes`` gets bytes this module serialised from
+that value, never bytes read from storage).
 """
 
 from zerostate.dcp.common import GROUP, check_boxes

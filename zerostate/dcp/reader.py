@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import math
@@ -11,6 +12,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -154,14 +157,7 @@ class StorageReader(dcp_storage.StorageReader):
                 fqn = item.storage_index.fqn
                 if fqn not in state.values:
                     raise CorruptCheckpointError(f"step {state.step}: no value stored for {fqn!r}")
-                # Bytes this module serialises from the validated JSON: whatever the planner
-                # does with them (DefaultLoadPlanner calls torch.load(weights_only=False)),
-                # they hold only dicts, lists, tuples, strings, numbers, bytes, BytesIO
-                # buffers and tensors.
-                buffer = io.BytesIO()
-                torch.save(state.values[fqn], buffer)
-                buffer.seek(0)
-                planner.load_bytes(item, buffer)
+                _load_value(planner, item, state.values[fqn])
             else:
                 tensors.append(item)
         try:
@@ -182,6 +178,29 @@ class StorageReader(dcp_storage.StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _load_value(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """Hand a decoded non-tensor value to the planner without any unpickling.
+
+    DCP's ``DefaultLoadPlanner.load_bytes`` would ``torch.load(weights_only=False)`` the
+    bytes it is given; for it (and subclasses that keep its ``load_bytes``) the value goes
+    where that method would put it, as the object decoded from the validated JSON. A planner
+    with a ``load_bytes`` of its own gets bytes this module serialised from that object
+    (dicts, lists, tuples, strings, numbers, bytes, BytesIO buffers and tensors, never bytes
+    read from storage), as DCP's contract requires."""
+    value = copy.deepcopy(value)  # the parsed step may serve another load
+    if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+        fqn = item.dest_index.fqn
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[fqn], value)
+        else:
+            planner.state_dict[fqn] = value
+        return
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    planner.load_bytes(item, buffer)
 
 
 def _read_request(state: _Step, item: ReadItem) -> tuple[ReadItem, str, tuple[int, ...], int, int]:
