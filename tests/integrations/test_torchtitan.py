@@ -27,21 +27,12 @@ import os
 import re
 from pathlib import Path
 
-import pytest
-
-try:
-    import torchtitan  # noqa: F401
-except ModuleNotFoundError as exc:
-    if exc.name != "torchtitan" or os.environ.get("ZEROSTATE_REQUIRE_TORCHTITAN"):
-        raise
-    pytest.skip(
-        "torchtitan is not installed (0.3.0 cannot share the test environment: its "
-        "datasets<4.8 pins an fsspec older than s3fs needs); `bash scripts/torchtitan.sh test` "
-        "runs these tests in an environment of their own",
-        allow_module_level=True,
-    )
-
 import forked_launch
+import pytest
+from titan_gate import require_torchtitan
+
+require_torchtitan()
+
 
 WORKER = Path(__file__).resolve().parent / "_torchtitan_worker.py"
 REPO = Path(__file__).resolve().parents[2]
