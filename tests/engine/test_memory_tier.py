@@ -352,3 +352,45 @@ def test_a_memory_step_is_loaded_whole_or_not_at_all(tmp_path):
         assert r["no_commit"] == (1, True), r
     assert "node(s) [1] from their peers' replicas" in results[0]["one_commit_report"]
     assert "step 1 from the memory tier" in results[0]["no_commit_report"]
+
+
+def _commit_fails_on_node_1(rank: int, world_size: int, tmp: str) -> dict:
+    from zerostate.store.memory_tier import MemoryTier
+
+    _node(rank, 1, tmp)
+    root = os.path.join(tmp, "ckpt")
+    settings = {"stage": 2, "lr": 1e-2, "memory_durable_every": None}
+    if rank == 1:  # node 1 cannot write its copy of the commit record
+        write = MemoryTier.write
+
+        def failing(self, step, rel, data):
+            if rel == COMMIT:
+                raise OSError(28, "No space left on device")
+            return write(self, step, rel, data)
+
+        MemoryTier.write = failing
+    with zerostate.Engine(_model(), **settings) as a:
+        _train(a, 2)
+        saved = _state(a)
+        try:
+            a.save(root, tier="memory")
+            error = None
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            error = f"{type(exc).__name__}: {exc}"
+    if rank == 1:
+        MemoryTier.write = write
+    with zerostate.Engine(_model(), **settings) as b:
+        b.load(root)
+        loaded = (b.optimizer_steps, _same(_state(b), saved))
+    return {"error": error, "loaded": loaded}
+
+
+def test_a_commit_that_fails_after_node_0_committed_says_the_step_is_there(tmp_path):
+    """Rank 0 wrote the commit record, node 1 could not write its copy: the error names what
+    is committed where (not "nothing was committed"), and a load resumes that step."""
+    results = run_distributed(_commit_fails_on_node_1, 2, str(tmp_path))
+    assert "No space left on device" in results[1]["error"], results[1]
+    for r in results:
+        assert "committed in node 0's memory tier" in r["error"], r
+        assert "nothing was committed" not in r["error"], r
+        assert r["loaded"] == (2, True), r

@@ -248,6 +248,22 @@ class MemorySave:
                 tier.sync()
         except Exception as exc:
             error = exc
+        if meta:
+            # Rank 0 committed before it sent the bundle: node 0 holds the whole step (its
+            # ranks' rows and the other nodes' replicas), and a load assembles it from there
+            # even when another node's copy of the record is missing. Say so, not "nothing
+            # was committed".
+            held = (
+                f"; step {step} is committed in node 0's memory tier, which holds every "
+                "rank's rows, so a load can still resume it"
+            )
+            if error is not None:
+                cause = error
+                error = CheckpointError(
+                    f"committing memory step {step} on rank {rank}'s node failed: {cause}{held}"
+                )
+                error.__cause__ = cause
+            coordinator = coordinator.with_errors(coordinator.error_cls, held)
         coordinator.agree(error, f"committing memory step {step}")
         if nodes.is_leader(rank):
             keep = self.tiers.keep_last
