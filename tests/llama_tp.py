@@ -36,3 +36,14 @@ def parallelize(model, tp_mesh):
         plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
         plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
     return parallelize_module(model, tp_mesh, plan)
+
+
+def shard_2d(model, mesh):
+    """torchtitan's 2-D layout on a ``("dp", "tp")`` mesh: :func:`parallelize` over ``tp``,
+    then ``fully_shard`` per block and on the whole model over ``dp``."""
+    from torch.distributed.fsdp import fully_shard
+
+    parallelize(model, mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.llama_tp import parallelize, shard_2d
+
 TRAIN_STEPS = 2
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -188,9 +190,6 @@ def ddp_load(rank: int, world_size: int, root: str) -> dict:
 
 # --------------------------------------------- FSDP2 + tensor parallelism (torchtitan's way)
 LLAMA_VOCAB, LLAMA_HIDDEN, LLAMA_INTER = 250, 40, 90  # odd sizes: uneven tp and dp splits
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
-COLWISE += ("mlp.up_proj",)
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def llama() -> nn.Module:
@@ -223,22 +222,8 @@ def llama_layout(layout: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = llama()
     if layout == "dp2xtp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        plan = {}
-        for i in range(len(model.model.layers)):
-            plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-            plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-        parallelize_module(model, mesh["tp"], plan)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+        shard_2d(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     elif layout == "dp":
         from torch.distributed.fsdp import fully_shard
 
@@ -254,18 +239,9 @@ def _tensor_parallel(model: nn.Module) -> None:
     """Tensor parallelism only, over every rank (no FSDP): the rest is replicated."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-    parallelize_module(model, mesh, plan)
+    parallelize(model, mesh)
 
 
 def save_fsdp2_tp(rank: int, world_size: int, ours: str, theirs: str) -> dict:

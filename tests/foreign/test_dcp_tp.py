@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from tests.foreign.conftest import assert_reshards_to_format2, run_cli
 from tests.helpers_dist import run_distributed
+from tests.llama_tp import shard_2d
 
 pytest.importorskip("transformers")
 
@@ -29,9 +30,6 @@ GLOBAL_BATCH = 4
 TRAIN_STEPS = 2
 NEXT_STEPS = 2
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
-COLWISE += ("mlp.up_proj",)
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 ROTARY = "model.rotary_emb.inv_freq"
 
 
@@ -62,23 +60,10 @@ def _write_fsdp2_tp(rank: int, world_size: int, out: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _llama()
-    plan = {}
-    for i in range(len(model.model.layers)):
-        plan.update({f"model.layers.{i}.{n}": ColwiseParallel() for n in COLWISE})
-        plan.update({f"model.layers.{i}.{n}": RowwiseParallel() for n in ROWWISE})
-    parallelize_module(model, mesh["tp"], plan)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    shard_2d(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     dp_rank, per = mesh["dp"].get_local_rank(), GLOBAL_BATCH // 2
 
