@@ -58,6 +58,7 @@ from zerostate.checkpoint.foreign import fit_foreign_step, open_any_step, regrou
 from zerostate.checkpoint.load import LoadSession
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.save import SaveSession
+from zerostate.checkpoint.source import EngineSource
 from zerostate.checkpoint.state import (
     check_stateful,
     digest,
@@ -189,21 +190,26 @@ class Checkpointer:
         memory = None
         if tier == "memory":  # [Note: memory tier] in zerostate.checkpoint.tiers
             memory = self.tiers.saving(self.roots.open(path, storage_options))
-        session = SaveSession(
+        source = EngineSource(
             self.parts,
+            rank=self.rank,
+            world_size=self.world_size,
+            step=step,
+            client_state=client_state,
+            stateful=stateful,
+            snapshot=self._snapshot,
+        )
+        session = SaveSession(
+            source,
             path,
             coordinator=self.coordinator,
             roots=self.roots,
             saves=self.saves,
-            snapshot=self._snapshot,
             timeout_s=self.timeout_s,
-            step=step,
             blocking=blocking,
-            client_state=client_state,
             keep_last=keep_last,
             storage_options=storage_options,
             progress=progress,
-            stateful=stateful,
             allow_older_step=allow_older_step,
             tier=memory,
         )
