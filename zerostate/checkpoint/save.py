@@ -11,6 +11,7 @@ the background thread (async), and retention.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -33,6 +34,16 @@ log = logging.getLogger(__name__)
 
 # Codes ranks exchange before and during a save (see [Note: failing together]).
 OK, FAILED, EXISTS, REFUSED, NEWER = 0, 1, 2, 3, 4
+
+#: Default seconds a rank waits for the others while committing a step.
+DEFAULT_COMMIT_TIMEOUT_S = 600.0
+
+
+def commit_timeout_s() -> float:
+    """Seconds a save waits for the other ranks' commit: the default, or what the
+    environment sets (tests, schedulers with tight preemption)."""
+    env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
+    return float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
 
 
 class SaveSession:
@@ -119,6 +130,7 @@ class SaveSession:
             # released (else the next step would wait for it forever).
             if copy is not None:
                 copy()
+            self.source.written()
             raise
         if self.tier is not None and self.tier.background is not None:  # [Note: memory tier]
             finish = self.tier.finish_background
@@ -215,6 +227,8 @@ class SaveSession:
             writer.write(shards)
         except Exception as exc:
             error = exc
+        finally:
+            self.source.written()
         self.coordinator.agree(error, f"writing step {step}")
         try:
             writer.commit(wait=False)  # rank 0 writes the commit record
@@ -230,9 +244,12 @@ class SaveSession:
     ) -> None:
         """The background thread's part of an async save."""
         try:
-            if copy is not None:
-                copy()
-            writer.write(shards)
+            try:
+                if copy is not None:
+                    copy()
+                writer.write(shards)
+            finally:
+                self.source.written()
             writer.commit(wait=True)
         except Exception as exc:
             # No collectives on this thread: a note in storage stops the other ranks

@@ -92,6 +92,10 @@ class SaveSource(Protocol):
         (or None): see [Note: async save] in zerostate.checkpoint."""
         ...
 
+    def written(self) -> None:
+        """The session is done with the snapshot (written, or the save failed)."""
+        ...
+
 
 def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
     """This rank's owned slice of every view (empty where it owns nothing); a view with a
@@ -213,6 +217,9 @@ class EngineSource:
         self, pieces: list[Piece], blocking: bool
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
         return self._snapshot(pieces, blocking)
+
+    def written(self) -> None:
+        """Nothing to release: the snapshot buffers live as long as the checkpointer."""
 
 
 def check_step(step: int | None) -> int | None:
