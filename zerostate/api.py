@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from zerostate.checkpoint.async_save import BackgroundSaves
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.save import SaveSession, commit_timeout_s
+from zerostate.checkpoint.tiers import TIERS, MemoryTiers
 from zerostate.dcp import StorageReader
 from zerostate.dcp.common import _check_step, _root_text
 from zerostate.dcp.source import DcpSource
@@ -54,6 +55,8 @@ _STAGING = StagingBuffers()
 _ROOTS = EngineRoots()
 #: The non-blocking save in flight (at most one), written on one background thread.
 _SAVES = BackgroundSaves(_STAGING)
+#: The memory tier of each process group ``zerostate.save`` saved over with ``tier="memory"``.
+_TIERS: dict[Any, MemoryTiers] = {}
 
 
 class _ModuleState(Stateful):
@@ -141,6 +144,8 @@ def save(
     storage_options: dict | None = None,
     process_group: Any = None,
     allow_older_step: bool = False,
+    tier: str = "durable",
+    memory_durable_every: int | None = 10,
 ) -> Any:
     """Save ``state`` as a step of the checkpoint root ``root`` (a path or fsspec URL);
     collective: every rank of ``process_group`` (None: the default group, or one process
@@ -156,7 +161,16 @@ def save(
     zerostate.save through the session] in zerostate.dcp.source): a rank that fails fails
     every rank with one error, and an explicit ``step`` older than the root's newest
     committed one is refused (another run's root) unless this process saved to or loaded
-    from that root, or ``allow_older_step=True``."""
+    from that root, or ``allow_older_step=True``.
+
+    ``tier="memory"`` writes the step into this node's memory directory with a replica on
+    another node instead ([Note: memory tier] in zerostate.checkpoint.tiers; the directory
+    is ``$ZEROSTATE_MEMORY_DIR``, else ``/dev/shm/zerostate``), and copies every
+    ``memory_durable_every``-th memory save of ``root`` to ``root`` in the background (None:
+    never). A blocking memory save returns once that copy (when it makes one) is committed
+    too; a non-blocking one's handle is done once the step is committed in memory."""
+    if tier not in TIERS:
+        raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
     started = time.perf_counter()
     translated = _translated(state)
     where = _root_text(root)
@@ -178,6 +192,11 @@ def save(
         world_size=world_size,
         staging=_STAGING,
     )
+    memory = None
+    if tier == "memory":  # [Note: memory tier] in zerostate.checkpoint.tiers
+        tiers = _memory_tiers(process_group, coordinator)
+        tiers.durable_every = memory_durable_every
+        memory = tiers.saving(_ROOTS.open(where, storage_options))
     session = SaveSession(
         source,
         where,
@@ -190,9 +209,26 @@ def save(
         storage_options=storage_options,
         progress=None,
         allow_older_step=allow_older_step,
+        tier=memory,
     )
     handle = session.run(started)
-    return handle.step if blocking else handle
+    if not blocking:
+        return handle
+    handle.wait()  # a blocking memory save's copy to the root, when it made one
+    return handle.step
+
+
+def _memory_tiers(process_group: Any, coordinator: Coordinator) -> MemoryTiers:
+    """The memory tier of ``zerostate.save``'s saves over ``process_group`` (one per group:
+    it keeps the group's nodes, its save counts and its background copy to the root)."""
+    key = process_group if process_group is not None else collectives.default_group()
+    tiers = _TIERS.get(key)
+    if tiers is None:
+        tiers = MemoryTiers(
+            coordinator, directory=None, keep_last=2, durable_every=10, timeout_s=commit_timeout_s()
+        )
+        _TIERS[key] = tiers
+    return tiers
 
 
 def load(

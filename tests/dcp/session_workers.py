@@ -87,3 +87,30 @@ def load_then_save_older(rank: int, world_size: int, root: str, step: int) -> di
     state = {"model": ddp, "optim": opt, "sched": sched}
     loaded = zerostate.load(state, root)
     return {"loaded": loaded, "saved": zerostate.save(state, root, step)}
+
+
+def memory_tier_saves(rank: int, world_size: int, tmp: str, root: str) -> dict:
+    """Two memory-tier saves, each rank its own node; the second is copied to ``root``."""
+    import os
+
+    import zerostate
+    from zerostate.store import open_checkpoint
+
+    torch.set_num_threads(1)
+    os.environ["GROUP_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["ZEROSTATE_MEMORY_DIR"] = os.path.join(tmp, f"shm-node{rank}")
+    try:
+        model, ddp, opt, sched = _trained(rank)
+        state = {"model": ddp, "optim": opt, "sched": sched}
+        out: dict[str, Any] = {"steps": []}
+        for _ in range(2):
+            # Blocking: committed in memory, and (second save) copied to the root.
+            out["steps"].append(zerostate.save(state, root, tier="memory", memory_durable_every=2))
+            if len(out["steps"]) == 1:
+                out["durable_after_first"] = os.path.exists(root) and open_checkpoint(root).steps()
+        out["saved"] = ddp_state(model, opt, sched)
+        return out
+    finally:
+        for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "ZEROSTATE_MEMORY_DIR"):
+            os.environ.pop(name, None)

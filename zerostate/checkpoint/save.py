@@ -133,11 +133,20 @@ class SaveSession:
             self.source.written()
             raise
         if self.tier is not None and self.tier.background is not None:  # [Note: memory tier]
-            finish = self.tier.finish_background
-            run = lambda: finish(copy, writer, shards, step, self._keep_last)  # noqa: E731
+            finish, written = self.tier.finish_background, self.source.written
+
+            def run() -> None:
+                try:
+                    finish(copy, writer, shards, step, self._keep_last)
+                finally:
+                    written()
+
             return self._saves.submit(run, step, self.path, start)
         if self.tier is not None:  # written, replicated and committed before save() returns
-            self.tier.finish(self.coordinator, writer, shards, step)
+            try:
+                self.tier.finish(self.coordinator, writer, shards, step)
+            finally:
+                self.source.written()
             future = self.tier.persist_maybe(step, self._keep_last)
             return SaveHandle(step, self.path, future, time.perf_counter() - start)
         if self._blocking:
@@ -209,6 +218,9 @@ class SaveSession:
             shapes = self.source.guard_shapes()
         newer_ok = self._allow_older_step or memory.own
         check = root.check_save(self.step, model_shapes=shapes, newer_ok=newer_ok)
+        newest = self.tier.newest() if self.tier is not None and self.step is None else None
+        if newest is not None and newest >= check.step:  # the memory tier is ahead
+            check = root.check_save(newest + 1, model_shapes=shapes, newer_ok=newer_ok)
         latest = -1 if check.latest is None else check.latest
         if check.refusal is not None:
             return REFUSED, 0, latest, check.step, check.refusal

@@ -656,6 +656,11 @@ def broadcast_from(tensor: torch.Tensor, src: int, *, group: Any) -> None:
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def default_group() -> Any:
+    """The default process group (None without torch.distributed)."""
+    return dist.group.WORLD if is_initialized() else None
+
+
 def control_device(group: Any) -> torch.device:
     """Where the small control tensors of ``group`` live: the host for gloo (or without a
     process group), this process's current GPU for a GPU backend."""
