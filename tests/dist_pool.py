@@ -231,8 +231,7 @@ def _drop_dtensor_caches() -> None:
     if "torch.distributed.tensor" not in sys.modules:
         return
     import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()

@@ -1,5 +1,7 @@
-"""``zerostate.save`` / ``zerostate.load``: any trainer's state into the store, through
-torch's checkpoint API with zerostate's storage plug-ins (``zerostate.dcp``).
+"""``zerostate.save`` / ``zerostate.load``: any trainer's state into the store. A save runs
+through the store's save session, as ``engine.save`` does, planned by torch's own
+``DefaultSavePlanner`` ([Note: zerostate.save through the session] in zerostate.dcp.source);
+a load is ``dcp.load`` through zerostate's storage reader (``zerostate.dcp``).
 
 The state follows DCP's contract: a dict of tensors, DTensors, nested dicts and objects with
 ``state_dict`` / ``load_state_dict`` (schedulers, samplers). Two kinds of object are
@@ -20,6 +22,7 @@ DCP's planner keeps one copy of each and spreads them over the ranks.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -28,9 +31,17 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from zerostate.dcp import StorageReader, StorageWriter
+from zerostate.checkpoint.async_save import BackgroundSaves
+from zerostate.checkpoint.roots import EngineRoots
+from zerostate.checkpoint.save import SaveSession, commit_timeout_s
+from zerostate.checkpoint.tiers import TIERS, MemoryTiers
+from zerostate.dcp import StorageReader
+from zerostate.dcp.common import _check_step, _root_text
+from zerostate.dcp.source import DcpSource
 from zerostate.dcp.staging import StagingBuffers
-from zerostate.errors import ConfigError, ZerostateError
+from zerostate.dist import collectives
+from zerostate.dist.coordinator import Coordinator
+from zerostate.errors import CheckpointError, ConfigError, ZerostateError
 
 __all__ = ["load", "save"]
 
@@ -38,6 +49,14 @@ __all__ = ["load", "save"]
 #: save is reused by the next once that save is done with it ([Note: reused staging
 #: buffers] in zerostate.dcp.staging).
 _STAGING = StagingBuffers()
+#: The roots ``zerostate.save`` and ``zerostate.load`` used in this process, each opened once
+#: ([Note: one root per location] in zerostate.checkpoint.roots): the save guard remembers
+#: which roots this process saved to or loaded from.
+_ROOTS = EngineRoots()
+#: The non-blocking save in flight (at most one), written on one background thread.
+_SAVES = BackgroundSaves(_STAGING)
+#: The memory tier of each process group ``zerostate.save`` saved over with ``tier="memory"``.
+_TIERS: dict[Any, MemoryTiers] = {}
 
 
 class _ModuleState(Stateful):
@@ -124,26 +143,92 @@ def save(
     keep_last: int | None = None,
     storage_options: dict | None = None,
     process_group: Any = None,
+    allow_older_step: bool = False,
+    tier: str = "durable",
+    memory_durable_every: int | None = 10,
 ) -> Any:
     """Save ``state`` as a step of the checkpoint root ``root`` (a path or fsspec URL);
-    collective: every rank of ``process_group`` calls it. ``step`` None takes the step after
-    the newest committed one. Returns the step written, or with ``blocking=False`` DCP's
-    future of the save (the state is staged first; training may go on), whose result is
-    DCP's metadata once the step is committed; as with DCP's ``async_save``, pass a
-    ``process_group`` of its own (a gloo group from torch.distributed's ``new_group``) when
-    training runs collectives while the save is in flight. A non-blocking save copies the
-    state into host memory kept for the next one (one copy of this rank's state, reused
-    once the save before is done with it). ``keep_last`` keeps only the newest that many
-    committed steps."""
-    writer = StorageWriter(root, step, keep_last, storage_options=storage_options, staging=_STAGING)
+    collective: every rank of ``process_group`` (None: the default group, or one process
+    without torch.distributed) calls it. ``step`` None takes the step after the newest
+    committed one. Returns the step written, or with ``blocking=False`` a
+    :class:`~zerostate.checkpoint.SaveHandle` (``step``, ``path``, ``blocked_s``,
+    ``wait()``, ``done()``) once the state is copied into host memory kept for the next
+    non-blocking save: training may go on, and ``wait()`` returns once the step is committed
+    (one save is in flight at a time; the next waits for it). ``keep_last`` keeps only the
+    newest that many committed steps.
+
+    The save runs through the store's save session, as ``engine.save`` does ([Note:
+    zerostate.save through the session] in zerostate.dcp.source): a rank that fails fails
+    every rank with one error, and an explicit ``step`` older than the root's newest
+    committed one is refused (another run's root) unless this process saved to or loaded
+    from that root, or ``allow_older_step=True``.
+
+    ``tier="memory"`` writes the step into this node's memory directory with a replica on
+    another node instead ([Note: memory tier] in zerostate.checkpoint.tiers; the directory
+    is ``$ZEROSTATE_MEMORY_DIR``, else ``/dev/shm/zerostate``), and copies every
+    ``memory_durable_every``-th memory save of ``root`` to ``root`` in the background (None:
+    never). A blocking memory save returns once that copy (when it makes one) is committed
+    too; a non-blocking one's handle is done once the step is committed in memory."""
+    if tier not in TIERS:
+        raise ConfigError(f"tier must be one of {TIERS}, got {tier!r}")
+    started = time.perf_counter()
     translated = _translated(state)
-    try:
-        if not blocking:
-            return dcp.async_save(translated, storage_writer=writer, process_group=process_group)
-        dcp.save(translated, storage_writer=writer, process_group=process_group)
-    except CheckpointException as exc:
-        raise _unwrapped(exc, f"saving to {writer.root} failed") from exc
-    return writer.step
+    where = _root_text(root)
+    rank, world_size = (
+        collectives.group_info(process_group) if collectives.is_initialized() else (0, 1)
+    )
+    coordinator = Coordinator(
+        group=process_group,
+        rank=rank,
+        world_size=world_size,
+        device=collectives.control_device(process_group),
+        arrival_timeout_s=collectives.DEFAULT_TIMEOUT_S,
+    ).with_errors(CheckpointError, " and nothing was committed")
+    source = DcpSource(
+        translated,
+        root=where,
+        step=_check_step(step),
+        rank=rank,
+        world_size=world_size,
+        staging=_STAGING,
+    )
+    memory = None
+    if tier == "memory":  # [Note: memory tier] in zerostate.checkpoint.tiers
+        tiers = _memory_tiers(process_group, coordinator)
+        tiers.durable_every = memory_durable_every
+        memory = tiers.saving(_ROOTS.open(where, storage_options))
+    session = SaveSession(
+        source,
+        where,
+        coordinator=coordinator,
+        roots=_ROOTS,
+        saves=_SAVES,
+        timeout_s=commit_timeout_s(),
+        blocking=blocking,
+        keep_last=keep_last,
+        storage_options=storage_options,
+        progress=None,
+        allow_older_step=allow_older_step,
+        tier=memory,
+    )
+    handle = session.run(started)
+    if not blocking:
+        return handle
+    handle.wait()  # a blocking memory save's copy to the root, when it made one
+    return handle.step
+
+
+def _memory_tiers(process_group: Any, coordinator: Coordinator) -> MemoryTiers:
+    """The memory tier of ``zerostate.save``'s saves over ``process_group`` (one per group:
+    it keeps the group's nodes, its save counts and its background copy to the root)."""
+    key = process_group if process_group is not None else collectives.default_group()
+    tiers = _TIERS.get(key)
+    if tiers is None:
+        tiers = MemoryTiers(
+            coordinator, directory=None, keep_last=2, durable_every=10, timeout_s=commit_timeout_s()
+        )
+        _TIERS[key] = tiers
+    return tiers
 
 
 def load(
@@ -171,4 +256,5 @@ def load(
         reader.close()
     if reader.step is None:
         raise ZerostateError("internal: the load opened no step")
+    _ROOTS.memory(reader.root).own = True  # resuming this run ([Note: save target])
     return reader.step

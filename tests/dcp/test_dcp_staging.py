@@ -103,11 +103,11 @@ def test_non_blocking_zerostate_saves_share_one_staging_copy(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
     root = tmp_path / "ckpt"
-    zerostate.save({"model": model}, root, blocking=False).result()
+    zerostate.save({"model": model}, root, blocking=False).wait()
     kept = {k: b.data_ptr() for k, b in api._STAGING._idle.buffers.items()}
     with torch.no_grad():
         model.weight.add_(1.0)
-    zerostate.save({"model": model}, root, blocking=False).result()
+    zerostate.save({"model": model}, root, blocking=False).wait()
     assert {k: b.data_ptr() for k, b in api._STAGING._idle.buffers.items()} == kept
     fresh = torch.nn.Linear(6, 4)
     assert zerostate.load({"model": fresh}, root) == 1

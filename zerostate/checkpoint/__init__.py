@@ -40,13 +40,14 @@ hold one session per call, ``roots.py`` the roots the engine keeps (one per loca
 ``state.py`` the JSON state, RNG and model config, ``foreign.py`` the fitting of a peer's
 step (DeepSpeed, DCP) to the loading engine, ``parts.py`` what the sessions see of an
 engine ([Note: engine parts]), ``load_plan.py`` the checked plan of a load and its undo,
-``frozen.py`` frozen tensors a save references instead of rewriting, ``pretrained.py``
+``source.py`` what a save writes ([Note: save sources]: the engine's state is one source,
+``zerostate.save``'s DCP state another), ``frozen.py`` frozen tensors a save references
+instead of rewriting, ``pretrained.py``
 ``load_pretrained``, ``peer_settings.py`` a peer's update settings compared at load.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -57,7 +58,8 @@ from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle, 
 from zerostate.checkpoint.foreign import fit_foreign_step, open_any_step, regroup
 from zerostate.checkpoint.load import LoadSession
 from zerostate.checkpoint.roots import EngineRoots
-from zerostate.checkpoint.save import SaveSession
+from zerostate.checkpoint.save import DEFAULT_COMMIT_TIMEOUT_S, SaveSession, commit_timeout_s
+from zerostate.checkpoint.source import EngineSource
 from zerostate.checkpoint.state import (
     check_stateful,
     digest,
@@ -97,9 +99,6 @@ _open_any_step = open_any_step
 _fit_foreign_step = fit_foreign_step
 _regroup = regroup
 
-#: Default seconds a rank waits for the others while committing a step.
-DEFAULT_COMMIT_TIMEOUT_S = 600.0
-
 
 class Checkpointer:
     """Saves and loads one engine's state. Created by the engine; use ``engine.save``.
@@ -113,11 +112,7 @@ class Checkpointer:
     def __init__(self, parts: EngineParts, *, timeout_s: float | None = None) -> None:
         #: The engine's state ([Note: engine parts] in zerostate.checkpoint.parts).
         self.parts = parts
-        if timeout_s is None:
-            # The environment may shorten it (tests, schedulers with tight preemption).
-            env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
-            timeout_s = float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
-        self.timeout_s = timeout_s
+        self.timeout_s = commit_timeout_s() if timeout_s is None else timeout_s
         # Under tensor parallelism the tp x dp_shard ranks of a replica save together
         # ([Note: tensor-parallel checkpoints] in zerostate.checkpoint.tensor_parallel).
         coordinator, world = parts.coordinator, parts.checkpoint_world
@@ -189,21 +184,26 @@ class Checkpointer:
         memory = None
         if tier == "memory":  # [Note: memory tier] in zerostate.checkpoint.tiers
             memory = self.tiers.saving(self.roots.open(path, storage_options))
-        session = SaveSession(
+        source = EngineSource(
             self.parts,
+            rank=self.rank,
+            world_size=self.world_size,
+            step=step,
+            client_state=client_state,
+            stateful=stateful,
+            snapshot=self._snapshot,
+        )
+        session = SaveSession(
+            source,
             path,
             coordinator=self.coordinator,
             roots=self.roots,
             saves=self.saves,
-            snapshot=self._snapshot,
             timeout_s=self.timeout_s,
-            step=step,
             blocking=blocking,
-            client_state=client_state,
             keep_last=keep_last,
             storage_options=storage_options,
             progress=progress,
-            stateful=stateful,
             allow_older_step=allow_older_step,
             tier=memory,
         )

@@ -1,165 +1,102 @@
-"""A save session: one collective save of an engine's state, from its arrival to its commit.
+"""A save session: one collective save into the store, from its arrival to its commit.
 
-A session computes what the save needs once (the engine-state document, the state views,
-this rank's pieces, the root) and runs the phases of [Note: failing together] in
-zerostate.checkpoint: prepare (rank 0 checks the target), plan the frozen tensors, snapshot,
-then write and commit on the caller's thread (blocking) or on the background thread (async).
+What is saved comes from a source ([Note: save sources] in zerostate.checkpoint.source: an
+engine's state for ``engine.save``, a DCP-contract state for ``zerostate.save``). The
+session runs the phases of [Note: failing together] in zerostate.checkpoint: prepare (rank
+0 checks the target and, where the source names no step, chooses it), the source's plan,
+the frozen tensors, snapshot, then write and commit on the caller's thread (blocking) or on
+the background thread (async), and retention.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from zerostate import jsonstate
 from zerostate.checkpoint.async_save import BackgroundSaves, Piece, SaveHandle
 from zerostate.checkpoint.frozen import RANK_STATE_KEY as FROZEN_KEY
-from zerostate.checkpoint.frozen import adapter_attrs, reference_frozen
+from zerostate.checkpoint.frozen import reference_frozen
 from zerostate.checkpoint.roots import EngineRoots
-from zerostate.checkpoint.state import (
-    check_stateful,
-    digest,
-    json_checked,
-    rng_state,
-    transformers_config,
-)
-from zerostate.checkpoint.tensor_parallel import saved_piece
+from zerostate.checkpoint.source import check_step
 from zerostate.dist.coordinator import Coordinator
-from zerostate.errors import CheckpointError, ConfigError, DistributedMismatchError
-from zerostate.store import StepExistsError, TensorSpec
-from zerostate.store.geometry import stored_layout
+from zerostate.errors import ConfigError, DistributedMismatchError
+from zerostate.store import StepExistsError
 from zerostate.store.root import CheckpointRoot
 
 if TYPE_CHECKING:
-    from zerostate.checkpoint.parts import EngineParts
+    from zerostate.checkpoint.source import SaveSource
 
 log = logging.getLogger(__name__)
 
 # Codes ranks exchange before and during a save (see [Note: failing together]).
 OK, FAILED, EXISTS, REFUSED, NEWER = 0, 1, 2, 3, 4
 
-#: ``snapshot(pieces, blocking) -> (host shards, deferred copy or None)``.
-Snapshot = Callable[[list[Piece], bool], tuple[dict[str, torch.Tensor], Callable[[], None] | None]]
+#: Default seconds a rank waits for the others while committing a step.
+DEFAULT_COMMIT_TIMEOUT_S = 600.0
 
 
-def owned_pieces(views: list[Any], rank: int, world_size: int) -> list[Piece]:
-    """This rank's owned slice of every view (empty where it owns nothing); a view with a
-    tp x dp layout gives its padded piece ([Note: tensor-parallel checkpoints] in
-    zerostate.checkpoint.tensor_parallel)."""
-    pieces = []
-    for view in views:
-        if view.mesh is not None:
-            layout = stored_layout(view.mesh, world_size, view.name)
-            spec = TensorSpec(
-                view.name, tuple(view.shape), view.dtype, layout, view.attrs, mesh=view.mesh
-            )
-            lo, hi = layout.owned_range(rank)
-            source = saved_piece(view, hi - lo) if view.piece is not None and hi > lo else None
-            pieces.append(Piece(spec, source if source is not None else view.local[:0]))
-            continue
-        lo, hi = view.layout.owned_range(rank)
-        start = lo - view.local_start
-        if hi > lo and not (0 <= start and hi - view.local_start <= view.local.numel()):
-            raise CheckpointError(
-                f"internal: view {view.name} holds [{view.local_start}, "
-                f"{view.local_start + view.local.numel()}) but rank {rank} owns [{lo}, {hi})"
-            )
-        source = view.local.reshape(-1)[start : start + (hi - lo)] if hi > lo else None
-        spec = TensorSpec(view.name, tuple(view.shape), view.dtype, view.layout, view.attrs)
-        pieces.append(Piece(spec, source if source is not None else view.local[:0]))
-    return pieces
-
-
-def retain(root: CheckpointRoot, step: int, keep_last: int | None) -> None:
-    """Retention after ``step`` committed; never fails the save."""
-    # Partial steps older than the one just committed belong to crashed saves.
-    try:
-        root.prune(keep_last=keep_last, partial_below=step, saved=step)
-    except Exception as exc:  # retention must not fail a good save
-        log.warning("zerostate: retention in %s after step %d failed: %s", root.url, step, exc)
+def commit_timeout_s() -> float:
+    """Seconds a save waits for the other ranks' commit: the default, or what the
+    environment sets (tests, schedulers with tight preemption)."""
+    env = os.environ.get("ZEROSTATE_COMMIT_TIMEOUT_S")
+    return float(env) if env else DEFAULT_COMMIT_TIMEOUT_S
 
 
 class SaveSession:
-    """One call of ``engine.save``. Validates its arguments on construction (nothing
-    collective yet); :meth:`run` is collective."""
+    """One collective save of a :class:`~zerostate.checkpoint.source.SaveSource` into the
+    store (``engine.save``, ``zerostate.save``). Validates its arguments on construction
+    (nothing collective yet); :meth:`run` is collective."""
 
     def __init__(
         self,
-        parts: EngineParts,
+        source: SaveSource,
         path: str,
         *,
         coordinator: Coordinator,
         roots: EngineRoots,
         saves: BackgroundSaves,
-        snapshot: Snapshot,
         timeout_s: float,
-        step: int | None,
         blocking: bool,
-        client_state: Any,
         keep_last: int | None,
         storage_options: dict | None,
         progress: Callable[[int], None] | None,
-        stateful: dict | None,
         allow_older_step: bool,
         tier: Any = None,
     ) -> None:
-        self.parts, self.path, self.coordinator = parts, path, coordinator
+        self.source, self.path, self.coordinator = source, path, coordinator
         #: A :class:`~zerostate.checkpoint.tiers.MemorySave` for ``tier="memory"``, else None.
         self.tier = tier
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
-        self._roots, self._saves, self._snapshot = roots, saves, snapshot
+        self._roots, self._saves = roots, saves
         self._timeout_s, self._blocking, self._progress = timeout_s, blocking, progress
         self._storage_options, self._keep_last = storage_options, keep_last
         self._allow_older_step = allow_older_step
-        stateful = check_stateful(stateful, loading=False)
-        # Encoded now, on the caller's thread: the objects keep changing after save() returns.
-        self._objects = {
-            name: jsonstate.encode(obj.state_dict(), f"stateful[{name!r}].state_dict()")
-            for name, obj in stateful.items()
-        }
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        if keep_last is not None and (
+            not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+        ):
             raise ConfigError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        step = int(parts.optimizer_steps if step is None else step)
-        if step < 0 or step > 99_999_999:
-            raise ConfigError(f"step must be in [0, 99999999], got {step}")
-        self.step = step
-        #: The engine-state document this save records (computed once).
-        self.document = json_checked(parts.engine_state(), "engine state")
-        self._attrs = {
-            "engine": self.document,
-            "client_state": json_checked(client_state, "client_state"),
-            "saved_at_unix": time.time(),
-            **adapter_attrs(parts.module),
-        }
-        model_config = transformers_config(parts.module)
-        if model_config is not None:
-            self._attrs["model_config"] = model_config  # consolidate writes it as config.json
-        self._views: list[Any] | None = None
-        self._pieces: list[Piece] | None = None
+        #: The step saved: the source's, or (None) rank 0's choice once :meth:`run` agreed it.
+        self.step = check_step(source.step)
 
     @property
-    def views(self) -> list[Any]:
-        """The engine's state views, listed once per save."""
-        if self._views is None:
-            self._views = self.parts.state_views()
-        return self._views
+    def document(self) -> dict:
+        """The source's engine-state document (what :func:`reference_frozen` reads)."""
+        return self.source.document
 
     @property
     def pieces(self) -> list[Piece]:
-        """This rank's owned slice of every view, computed once per save."""
-        if self._pieces is None:
-            self._pieces = owned_pieces(self.views, self.rank, self.world_size)
-        return self._pieces
+        """The source's pieces of this rank."""
+        return self.source.pieces
 
     def run(self, start: float) -> SaveHandle:
         """Save; ``start``: when ``save`` was entered (for the handle's ``blocked_s``)."""
-        root, save_id, latest, per_rank = self._prepare()
+        root, save_id, latest = self._prepare()
         step, error, copy = self.step, None, None
+        self.source.plan(self.coordinator, step)  # raises on every rank or on none
         if self.tier is not None:  # [Note: memory tier] in zerostate.checkpoint.tiers
             root, latest = self.tier.prepare(step, self._blocking, root), -1  # no references
         # Collective, never fails; ``latest``: rank 0's listing, so no rank lists again.
@@ -167,28 +104,23 @@ class SaveSession:
         try:
             if self.tier is not None:
                 self.tier.check()  # what its preparation met, agreed below
-            attrs, objects = self._attrs, self._objects
-            rank_state = {"rng": rng_state()}
-            if per_rank:  # see [Note: per-rank stateful objects]
-                rank_state["stateful"] = {n: objects[n] for n in per_rank}
-                attrs["stateful_per_rank"] = per_rank
-            attrs["stateful"] = {n: v for n, v in objects.items() if n not in per_rank}
+            rank_state = self.source.rank_state
             if frozen.digests:
-                rank_state[FROZEN_KEY] = frozen.digests
+                rank_state = {**(rank_state or {}), FROZEN_KEY: frozen.digests}
             pieces = [p for p in self.pieces if p.spec.name not in frozen.skipped]
             writer = root.writer(
                 step,
                 rank=self.rank,
                 world_size=self.world_size,
                 specs=[p.spec for p in pieces],
-                attrs=attrs,
+                attrs=self.source.attrs,
                 rank_state=rank_state,
                 timeout_s=self._timeout_s,
                 progress=self._progress,
                 save_id=f"{save_id:016x}",
                 refs=frozen.refs,
             )
-            shards, copy = self._snapshot(pieces, self._blocking)
+            shards, copy = self.source.snapshot(pieces, self._blocking)
         except Exception as exc:
             error = exc
         try:
@@ -198,13 +130,23 @@ class SaveSession:
             # released (else the next step would wait for it forever).
             if copy is not None:
                 copy()
+            self.source.written()
             raise
         if self.tier is not None and self.tier.background is not None:  # [Note: memory tier]
-            finish = self.tier.finish_background
-            run = lambda: finish(copy, writer, shards, step, self._keep_last)  # noqa: E731
+            finish, written = self.tier.finish_background, self.source.written
+
+            def run() -> None:
+                try:
+                    finish(copy, writer, shards, step, self._keep_last)
+                finally:
+                    written()
+
             return self._saves.submit(run, step, self.path, start)
         if self.tier is not None:  # written, replicated and committed before save() returns
-            self.tier.finish(self.coordinator, writer, shards, step)
+            try:
+                self.tier.finish(self.coordinator, writer, shards, step)
+            finally:
+                self.source.written()
             future = self.tier.persist_maybe(step, self._keep_last)
             return SaveHandle(step, self.path, future, time.perf_counter() - start)
         if self._blocking:
@@ -214,47 +156,38 @@ class SaveSession:
             lambda: self._finish(root, writer, shards, copy), step, self.path, start
         )
 
-    def _prepare(self) -> tuple[CheckpointRoot, int, int, list[str]]:
-        """``(root, save id, latest committed step or -1, per-rank stateful names)``.
+    def _prepare(self) -> tuple[CheckpointRoot, int, int]:
+        """``(root, save id, latest committed step or -1)``; sets :attr:`step`.
 
-        [Note: failing together] Rank 0 checks the target and picks a save id, every rank
-        finishes its previous save; one all-gather tells every rank the verdict of all
-        before anyone writes a byte (the id lets rank 0 ignore stale manifests)."""
-        step, objects = self.step, self._objects
+        [Note: failing together] Rank 0 checks the target (choosing the step where the
+        source names none) and picks a save id, every rank finishes its previous save; one
+        all-gather tells every rank the verdict of all before anyone writes a byte (the id
+        lets rank 0 ignore stale manifests)."""
+        asked = -1 if self.step is None else self.step
         self.coordinator.arrive("save")
-        code, save_id, latest, error, refusal = OK, 0, -1, None, None
+        code, save_id, latest, step, error, refusal = OK, 0, -1, asked, None, None
         try:
             self._saves.wait()  # one save in flight; surfaces a previous background failure
             # The engine's root object of this location, opened by its first save or load
             # there ([Note: one root per location]); every part of the save uses it.
             root = self._roots.open(self.path, self._storage_options)
             if self.rank == 0:
-                code, save_id, latest, refusal = self._check_root(root)
+                code, save_id, latest, step, refusal = self._check_root(root)
         except Exception as exc:  # reported to every rank below, then re-raised here
             code, error = FAILED, exc
-        rows = self.coordinator.exchange([code, save_id, step, digest(sorted(objects)), latest])
-        self.coordinator.raise_if_failed(
-            error, [r[0] == FAILED for r in rows], f"preparing save of step {step}"
-        )
-        steps = [r[2] for r in rows]
-        if len(set(steps)) > 1:
+        rows = self.coordinator.exchange([code, save_id, asked, latest, step])
+        what = "preparing save" + ("" if asked < 0 else f" of step {asked}")
+        self.coordinator.raise_if_failed(error, [r[0] == FAILED for r in rows], what)
+        asks = [r[2] for r in rows]
+        if len(set(asks)) > 1:
+            shown = {r: (s if s >= 0 else None) for r, s in enumerate(asks)}
             raise DistributedMismatchError(
-                f"ranks are saving different steps ({dict(enumerate(steps))}); every rank must "
-                "call save() with the same step (the default, optimizer_steps, agrees)"
+                f"ranks are saving different steps ({shown}); every rank must call save() "
+                "with the same step (the default agrees)"
             )
-        if len({r[3] for r in rows}) > 1:
-            raise DistributedMismatchError(
-                "ranks passed different stateful= names to save(); pass the same objects "
-                "(by name) on every rank"
-            )
-        # Objects whose state is the same on every rank are saved once, in the commit
-        # record; the others every rank keeps its own (see [Note: per-rank stateful objects]).
-        names = sorted(objects)
-        states = self.coordinator.exchange([digest(objects[n]) for n in names]) if names else []
-        per_rank = [n for i, n in enumerate(names) if len({row[i] for row in states}) > 1]
-        code, save_id, latest = rows[0][0], rows[0][1], rows[0][4]
+        code, save_id, latest, self.step = rows[0][0], rows[0][1], rows[0][3], rows[0][4]
         self._raise_verdict(code, save_id, refusal)
-        return root, save_id, latest, per_rank
+        return root, save_id, latest
 
     def _raise_verdict(self, code: int, newer: int, refusal: str | None) -> None:
         path, step = self.path, self.step
@@ -263,10 +196,10 @@ class SaveSession:
         if code == NEWER:
             raise ConfigError(
                 f"{path} already holds committed step {newer}, newer than step {step} being "
-                f"saved, and this engine did not load from {path}: it looks like another "
-                "run's checkpoint, and a later load would resume that run's step "
-                f"{newer}. Call engine.load({path!r}) first to continue that run, save "
-                "into a new directory, or pass allow_older_step=True to save beside it"
+                "saved, and this run did not load from or save to it: it looks like another "
+                f"run's checkpoint, and a later load would resume that run's step {newer}. "
+                f"{self.source.newer_hint.format(path=path)}, save into a new directory, or "
+                "pass allow_older_step=True to save beside it"
             )
         if code == EXISTS:
             raise StepExistsError(
@@ -274,25 +207,29 @@ class SaveSession:
                 "or delete it first"
             )
 
-    def _check_root(self, root: CheckpointRoot) -> tuple[int, int, int, str | None]:
+    def _check_root(self, root: CheckpointRoot) -> tuple[int, int, int, int, str | None]:
         """Rank 0's save guard: ``(code, save id or the newer step, latest committed step
-        or -1, refusal)`` from one listing of the root. The model check runs once per root
-        per engine; a newer committed step is refused unless this engine loaded from or
-        saved to the root (then it is this run's own, see [Note: save target])."""
+        or -1, the step, refusal)`` from one listing of the root. The model check runs once
+        per root per engine (and not at all for a source without model shapes); a newer
+        committed step is refused unless this run loaded from or saved to the root (then it
+        is this run's own, see [Note: save target])."""
         shapes, memory = None, root.memory
         if not memory.shapes_checked:
-            shapes = {v.name: tuple(v.shape) for v in self.views if v.name.startswith("model/")}
+            shapes = self.source.guard_shapes()
         newer_ok = self._allow_older_step or memory.own
         check = root.check_save(self.step, model_shapes=shapes, newer_ok=newer_ok)
+        newest = self.tier.newest() if self.tier is not None and self.step is None else None
+        if newest is not None and newest >= check.step:  # the memory tier is ahead
+            check = root.check_save(newest + 1, model_shapes=shapes, newer_ok=newer_ok)
         latest = -1 if check.latest is None else check.latest
         if check.refusal is not None:
-            return REFUSED, 0, latest, check.refusal
+            return REFUSED, 0, latest, check.step, check.refusal
         memory.shapes_checked = True
         if check.newer is not None:
-            return NEWER, check.newer, latest, None
+            return NEWER, check.newer, latest, check.step, None
         if check.exists:
-            return EXISTS, 0, latest, None
-        return OK, secrets.randbits(62), latest, None
+            return EXISTS, 0, latest, check.step, None
+        return OK, secrets.randbits(62), latest, check.step, None
 
     def _write_and_commit(self, root: CheckpointRoot, writer: Any, shards: dict) -> None:
         # Each phase ends in an agreement, so one rank's failure fails every rank at
@@ -302,11 +239,13 @@ class SaveSession:
             writer.write(shards)
         except Exception as exc:
             error = exc
+        finally:
+            self.source.written()
         self.coordinator.agree(error, f"writing step {step}")
         try:
             writer.commit(wait=False)  # rank 0 writes the commit record
             if self.rank == 0:
-                retain(root, step, self._keep_last)
+                root.retain(step, self._keep_last)
         except Exception as exc:
             error = exc
         self.coordinator.agree(error, f"committing step {step}")
@@ -317,9 +256,12 @@ class SaveSession:
     ) -> None:
         """The background thread's part of an async save."""
         try:
-            if copy is not None:
-                copy()
-            writer.write(shards)
+            try:
+                if copy is not None:
+                    copy()
+                writer.write(shards)
+            finally:
+                self.source.written()
             writer.commit(wait=True)
         except Exception as exc:
             # No collectives on this thread: a note in storage stops the other ranks
@@ -330,4 +272,4 @@ class SaveSession:
         # failed save leaves the root's newest step another run's.
         root.memory.own = True
         if self.rank == 0:
-            retain(root, self.step, self._keep_last)
+            root.retain(self.step, self._keep_last)

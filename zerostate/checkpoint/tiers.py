@@ -3,7 +3,9 @@ node, persist it to the durable root every M saves, and load the newest step any
 assemble.
 
 [Note: memory tier]
-``engine.save(root, tier="memory")`` runs the ordinary save session (the save guard on the
+``engine.save(root, tier="memory")`` (and ``zerostate.save(state, root, tier="memory")``,
+whose source is a DCP state: [Note: save sources] in zerostate.checkpoint.source) runs the
+ordinary save session (the save guard on the
 durable ``root``, the snapshot, one :class:`~zerostate.store.writer.StepWriter` per rank)
 with the writer pointed at this node's memory directory ([Note: memory tier layout] in
 zerostate.store.memory_tier) instead of ``root``. Then, on the caller's thread
@@ -187,6 +189,18 @@ class MemorySave:
                     "torchrun): steps in memory have no replica on another node"
                 )
         return root
+
+    def newest(self) -> int | None:
+        """This node's newest committed memory step (None: none, or a directory that is not
+        this run's): a save that names no step takes the one after it, or after the durable
+        root's newest where that is newer."""
+        try:
+            root = self.tier.open(create=False)
+            steps = root.steps() if root is not None else []
+        except Exception as exc:  # noqa: BLE001 - refused again, with its reason, in prepare()
+            log.debug("zerostate: no memory steps of %s counted: %s", self.tier.path, exc)
+            return None
+        return steps[-1] if steps else None
 
     def check(self) -> None:
         """Raise what :meth:`prepare` met."""

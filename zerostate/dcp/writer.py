@@ -11,31 +11,25 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     StorageMeta,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
-    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from zerostate import jsonstate
 from zerostate.dcp.common import (
     ATTR,
-    DCP_VERSION,
-    Piece,
     _check_step,
     _GlobalPlan,
     _rank_of_caller,
     _root_text,
-    piece_name,
 )
+from zerostate.dcp.document import encode_value, metadata_json, plan_pieces
 from zerostate.dcp.staging import StagingBuffers
 from zerostate.errors import (
     CheckpointError,
@@ -157,47 +151,17 @@ class StorageWriter(dcp_storage.StorageWriter):
         return dataclasses.replace(plan, storage_data=self._rank)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        world_size = len(plans)
-        coordinator = self._rank
-        if world_size > fmt.MAX_RANKS + 1:
-            raise ConfigError(f"{world_size} ranks exceed the store's {fmt.MAX_RANKS + 1}")
-        pieces: list[Piece] = []
-        for index, plan in enumerate(plans):
-            store_rank = (index - coordinator) % world_size
-            seq = 0
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    continue
-                td = item.tensor_data
-                if td is None:
-                    raise ConfigError(f"{item.index.fqn}: a tensor item without tensor data")
-                try:
-                    fmt.dtype_name(td.properties.dtype)
-                except ConfigError as exc:
-                    raise ConfigError(f"{item.index.fqn}: {exc}") from None
-                pieces.append(
-                    Piece(
-                        piece_name(store_rank, seq, item.index.fqn),
-                        item.index.fqn,
-                        tuple(int(o) for o in td.chunk.offsets),
-                        tuple(int(s) for s in td.chunk.sizes),
-                        td.properties.dtype,
-                        store_rank,
-                    )
-                )
-                seq += 1
+        pieces = plan_pieces(plans, self._rank)
         root = self._open_root()
-        step = self.requested_step
-        if step is None:
-            committed = root.steps()
-            step = committed[-1] + 1 if committed else 0
-        check = root.check_save(step)  # also clears a crashed save's partial step
+        # The step (None: the next after the newest committed) and the target check are
+        # the save session's (zerostate.save); this also clears a crashed save's partial step.
+        check = root.check_save(self.requested_step)
         if check.exists:
             raise StepExistsError(
-                f"step {step} is already committed at {root.url}; save under another step "
-                "(step=None takes the next one) or delete it first"
+                f"step {check.step} is already committed at {root.url}; save under another "
+                "step (step=None takes the next one) or delete it first"
             )
-        glob = _GlobalPlan(step, uuid.uuid4().hex, world_size, coordinator, tuple(pieces))
+        glob = _GlobalPlan(check.step, uuid.uuid4().hex, len(plans), self._rank, pieces)
         # Every rank gets the whole piece list: its StepWriter places its row from all the
         # specs, and rank 0 checks at commit that every rank planned the same step.
         return [dataclasses.replace(plan, storage_data=glob) for plan in plans]
@@ -229,7 +193,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         # rank writes anything.
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                value = _encode_value(item, planner)
+                value = encode_value(item, planner)
                 results.append(WriteResult(item.index, len(fmt.dumps(value)), ("value", value)))
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -280,72 +244,7 @@ class StorageWriter(dcp_storage.StorageWriter):
                 kind, payload = result.storage_data
                 if kind == "value":
                     values[result.index.fqn] = payload
-        document = _metadata_json(metadata, glob, values)
+        document = metadata_json(metadata, glob.pieces, values)
         writer.commit(attrs={ATTR: document})
-        if self.keep_last is not None:
-            self._open_root().prune(keep_last=self.keep_last, partial_below=None)
-
-
-def _encode_value(item: WriteItem, planner: SavePlanner) -> Any:
-    """A non-tensor value as JSON (``zerostate.jsonstate``), looked up in the state the
-    planner holds; a value that JSON cannot hold raises ConfigError naming its key."""
-    fqn = item.index.fqn
-    lookup = getattr(planner, "lookup_object", None)
-    if callable(lookup):
-        obj = lookup(item.index)
-    else:  # a planner without the default's lookup: undo its torch.save of our own value
-        buffer = planner.resolve_data(item)
-        buffer.seek(0)  # type: ignore[union-attr]
-        try:
-            obj = torch.load(buffer, weights_only=True)  # type: ignore[arg-type]
-        except Exception as exc:
-            raise ConfigError(
-                f"non-tensor value {fqn!r} holds objects a checkpoint cannot store without "
-                f"pickle ({exc})"
-            ) from exc
-    what = f"non-tensor value {fqn!r}"
-    value = jsonstate.encode(obj, what)
-    fmt.check_json(value, what)
-    return value
-
-
-def _metadata_json(metadata: Metadata, glob: _GlobalPlan, values: dict[str, Any]) -> dict:
-    """DCP's metadata as the JSON document of a step (see [Note: DCP steps])."""
-    by_chunk = {(p.fqn, p.offsets): p for p in glob.pieces}
-    tensors: dict[str, dict] = {}
-    non_tensors: dict[str, Any] = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, BytesStorageMetadata):
-            if fqn not in values:
-                raise CheckpointError(f"internal: no rank wrote the value of {fqn!r}")
-            non_tensors[fqn] = values[fqn]
-            continue
-        if not isinstance(entry, TensorStorageMetadata):
-            raise ConfigError(f"{fqn}: DCP metadata of type {type(entry).__name__}")
-        chunks = []
-        for chunk in entry.chunks:
-            offsets = tuple(int(o) for o in chunk.offsets)
-            piece = by_chunk.get((fqn, offsets))
-            if piece is None or piece.sizes != tuple(int(s) for s in chunk.sizes):
-                raise CheckpointError(f"internal: chunk {list(offsets)} of {fqn} has no piece")
-            chunks.append(
-                {"offsets": list(offsets), "sizes": list(piece.sizes), "piece": piece.name}
-            )
-        tensors[fqn] = {
-            "dtype": fmt.dtype_name(entry.properties.dtype),
-            "shape": [int(d) for d in entry.size],
-            "chunks": chunks,
-        }
-    planner_data = None
-    if metadata.planner_data is not None:
-        planner_data = jsonstate.encode(metadata.planner_data, "DCP planner data")
-        fmt.check_json(planner_data, "DCP planner data")
-    meta = metadata.storage_meta
-    return {
-        "version": DCP_VERSION,
-        "dcp_version": metadata.version,
-        "tensors": tensors,
-        "values": non_tensors,
-        "planner_data": planner_data,
-        "modules": [str(m) for m in (meta.modules if meta is not None else [])],
-    }
+        # DCP calls finish on the coordinator only: the rank that listed the root.
+        self._open_root().retain(glob.step, self.keep_last)

@@ -649,3 +649,41 @@ def send_and_receive(
 def broadcast_from(tensor: torch.Tensor, src: int, *, group: Any) -> None:
     """``tensor`` of rank ``src`` (a rank in ``group``) on every rank, in place."""
     dist.broadcast(tensor, src=_global_rank(group, src), group=group)
+
+
+# -- objects (a DCP save's plans) -----------------------------------------------------------
+#: Seconds a rank waits for the others at a call's arrival when nothing else sets it.
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def default_group() -> Any:
+    """The default process group (None without torch.distributed)."""
+    return dist.group.WORLD if is_initialized() else None
+
+
+def control_device(group: Any) -> torch.device:
+    """Where the small control tensors of ``group`` live: the host for gloo (or without a
+    process group), this process's current GPU for a GPU backend."""
+    if not is_initialized() or "gloo" in str(dist.get_backend(group)):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def gather_objects(obj: Any, *, group: Any, rank: int, world_size: int) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 of ``group`` (in rank order), None on the others.
+    The objects travel pickled between this job's own processes, as DCP's plans do; no
+    checkpoint data is ever among them."""
+    if not is_initialized():
+        return [obj]
+    out: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(obj, out, dst=_global_rank(group, 0), group=group)
+    return out
+
+
+def scatter_objects(objs: list[Any] | None, *, group: Any, rank: int) -> Any:
+    """Rank 0's ``objs[r]`` on each rank ``r`` of ``group`` (``objs`` is read on rank 0)."""
+    if not is_initialized():
+        return objs[0] if objs else None
+    out: list[Any] = [None]
+    dist.scatter_object_list(out, objs if rank == 0 else None, src=_global_rank(group, 0), group=group)
+    return out[0]

@@ -14,6 +14,7 @@ committed steps are deleted newest first (see [Note: tensor references] in ``ref
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from zerostate.store.base import BATCH_THREADS, Storage
 from zerostate.store.reader import StepReader
 from zerostate.store.storage import open_storage
 
+log = logging.getLogger(__name__)
+
 RootLike = str | os.PathLike | Storage
 
 
@@ -46,6 +49,8 @@ class SaveCheck:
     newer: int | None = None
     #: Whether the step is already committed.
     exists: bool = False
+    #: The step checked: the one asked for, or the one after the newest committed.
+    step: int = 0
 
     @property
     def latest(self) -> int | None:
@@ -234,7 +239,7 @@ class CheckpointRoot:
 
     def check_save(
         self,
-        step: int,
+        step: int | None,
         *,
         model_shapes: dict[str, tuple[int, ...]] | None = None,
         newer_ok: bool = True,
@@ -243,14 +248,17 @@ class CheckpointRoot:
         why the save must not write there (with ``model_shapes``: :meth:`save_refusal`),
         a newer committed step (unless ``newer_ok``), or ``step`` already committed. When
         none holds, a partial directory of ``step`` left by a crashed save is removed so
-        the new save starts clean; nothing else is changed."""
+        the new save starts clean; nothing else is changed. ``step`` None checks the step
+        after the newest committed one (0 in an empty root); the check says which."""
         committed, partial = self.scan()
+        if step is None:
+            step = committed[-1] + 1 if committed else 0
         self._save_scan = (step, list(committed), list(partial))
         refusal = None if model_shapes is None else self.save_refusal(model_shapes, committed)
         newer = None
         if not newer_ok and committed and committed[-1] > step:
             newer = committed[-1]
-        check = SaveCheck(tuple(committed), refusal, newer, step in committed)
+        check = SaveCheck(tuple(committed), refusal, newer, step in committed, step)
         if check.ok and step in partial:
             self._remove_partial([step], set(committed))
         return check
@@ -385,6 +393,15 @@ class CheckpointRoot:
             self._delete_dir(step)
         self._storage.sync_dirs()
         return old, stale
+
+    def retain(self, step: int, keep_last: int | None) -> None:
+        """Retention after a save through this root committed ``step`` (:meth:`prune`
+        of the partial steps below it, left by crashed saves, and all but the newest
+        ``keep_last`` committed); never fails the save, whose step is already committed."""
+        try:
+            self.prune(keep_last=keep_last, partial_below=step, saved=step)
+        except Exception as exc:  # retention must not fail a good save
+            log.warning("zerostate: retention in %s after step %d failed: %s", self.url, step, exc)
 
     def delete_step(self, step: int) -> None:
         """Delete one step, committed or not (the commit record first). Refused while

@@ -1,0 +1,116 @@
+"""Workers of tests/dcp/test_api_session.py (module level: the pool pickles them by name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.dcp.workers import ddp_parts, ddp_state
+
+
+def _trained(rank: int) -> tuple[torch.nn.Module, Any, Any, Any]:
+    model, opt, sched = ddp_parts(0, 1e-2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    for step in range(2):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+        ddp(x).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return model, ddp, opt, sched
+
+
+def async_save(rank: int, world_size: int, root: str) -> dict:
+    """``zerostate.save(blocking=False)``: the handle, then the state changed at once (the
+    step keeps the values as of the call), then ``wait()``."""
+    import zerostate
+    from zerostate.checkpoint import SaveHandle
+    from zerostate.store import open_checkpoint
+
+    torch.set_num_threads(1)
+    model, ddp, opt, sched = _trained(rank)
+    saved = ddp_state(model, opt, sched)
+    handle = zerostate.save({"model": ddp, "optim": opt, "sched": sched}, root, blocking=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next training step, while the save may still be writing
+    out = {"is_handle": isinstance(handle, SaveHandle), "step": handle.step}
+    out["blocked_s"] = handle.blocked_s
+    handle.wait()
+    out["done"] = handle.done()
+    with open_checkpoint(root).step() as st:
+        out["committed"] = st.step
+    return {**out, **saved}
+
+
+def one_rank_fails_planning(rank: int, world_size: int, root: str) -> dict:
+    """Rank 1's state holds a value a checkpoint cannot store without pickle: every rank
+    raises, nobody hangs, nothing is committed."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    model, ddp, opt, sched = _trained(rank)
+    state: dict[str, Any] = {"model": ddp, "optim": opt, "sched": sched}
+    if rank == 1:
+        state["extra"] = {"handle": object()}
+    else:
+        state["extra"] = {"handle": 3}
+    try:
+        zerostate.save(state, root)
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}
+
+
+def save_at_step(rank: int, world_size: int, root: str, step: int, allow: bool) -> dict:
+    """``zerostate.save`` of ``step``; what it returned or raised."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    _, ddp, opt, sched = _trained(rank)
+    try:
+        got = zerostate.save(
+            {"model": ddp, "optim": opt, "sched": sched}, root, step, allow_older_step=allow
+        )
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "step": got}
+
+
+def load_then_save_older(rank: int, world_size: int, root: str, step: int) -> dict:
+    """A run that resumed from ``root`` (``zerostate.load``) may save an older step there."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    _, ddp, opt, sched = _trained(rank)
+    state = {"model": ddp, "optim": opt, "sched": sched}
+    loaded = zerostate.load(state, root)
+    return {"loaded": loaded, "saved": zerostate.save(state, root, step)}
+
+
+def memory_tier_saves(rank: int, world_size: int, tmp: str, root: str) -> dict:
+    """Two memory-tier saves, each rank its own node; the second is copied to ``root``."""
+    import os
+
+    import zerostate
+    from zerostate.store import open_checkpoint
+
+    torch.set_num_threads(1)
+    os.environ["GROUP_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["ZEROSTATE_MEMORY_DIR"] = os.path.join(tmp, f"shm-node{rank}")
+    try:
+        model, ddp, opt, sched = _trained(rank)
+        state = {"model": ddp, "optim": opt, "sched": sched}
+        out: dict[str, Any] = {"steps": []}
+        for _ in range(2):
+            # Blocking: committed in memory, and (second save) copied to the root.
+            out["steps"].append(zerostate.save(state, root, tier="memory", memory_durable_every=2))
+            if len(out["steps"]) == 1:
+                out["durable_after_first"] = os.path.exists(root) and open_checkpoint(root).steps()
+        out["saved"] = ddp_state(model, opt, sched)
+        return out
+    finally:
+        for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "ZEROSTATE_MEMORY_DIR"):
+            os.environ.pop(name, None)

@@ -1,0 +1,192 @@
+"""A DCP-contract state as a save source: ``zerostate.save`` through the store's save session.
+
+[Note: zerostate.save through the session]
+``zerostate.save`` writes the same step ``dcp.save`` with :class:`~zerostate.dcp.StorageWriter`
+writes ([Note: DCP steps] in zerostate.dcp), but through the save session the engine uses
+([Note: save sources] in zerostate.checkpoint.source), so it gets the session's save guard,
+failing together, background writer and :class:`~zerostate.checkpoint.SaveHandle`,
+retention and memory tier. What is saved is planned by torch's own ``DefaultSavePlanner``
+exactly as ``dcp.save`` drives it: each rank's local plan, gathered on rank 0, whose
+``create_global_plan`` de-duplicates replicated tensors (each is written by one rank) and
+builds DCP's metadata; each rank's part is scattered back and finished. The pieces, the
+non-tensor values and the DCP document come from the same functions the storage writer
+uses (zerostate.dcp.document), so the two doors write one format.
+
+Planning is collective and may fail on one rank (a value JSON cannot hold, a state torch's
+planner refuses): that rank still takes part in the gather and the scatter with nothing to
+contribute, and one agreement at the end makes every rank raise together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
+
+from zerostate.checkpoint.async_save import Piece
+from zerostate.dcp.common import ATTR
+from zerostate.dcp.common import Piece as ChunkPiece
+from zerostate.dcp.document import encode_value, metadata_json, plan_pieces
+from zerostate.dcp.staging import StagingBuffers
+from zerostate.dist import collectives
+from zerostate.dist.coordinator import Coordinator
+from zerostate.errors import CheckpointError, ConfigError
+
+__all__ = ["DcpSource"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """What rank 0 sends each rank: its finished part of the global plan, and every piece."""
+
+    plan: SavePlan
+    pieces: tuple[ChunkPiece, ...]
+
+
+class DcpSource:
+    """A DCP-contract state (modules and optimizers already wrapped as ``Stateful``) as a
+    save source ([Note: zerostate.save through the session])."""
+
+    document: dict = {}  # noqa: RUF012 - no engine document: nothing is referenced
+    newer_hint = "Call zerostate.load(state, {path!r}) first to continue that run"
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        *,
+        root: str,
+        step: int | None,
+        rank: int,
+        world_size: int,
+        staging: StagingBuffers,
+    ) -> None:
+        self.step, self.rank, self.world_size = step, rank, world_size
+        self._root, self._staging = root, staging
+        # As dcp.save: each Stateful's state now, on the caller's thread.
+        self._state = {
+            k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()
+        }
+        self._pieces: list[Piece] = []
+        self._attrs: dict = {}
+        self._staged: list[torch.Tensor] = []
+
+    @property
+    def pieces(self) -> list[Piece]:
+        return self._pieces
+
+    @property
+    def attrs(self) -> dict:
+        return self._attrs
+
+    @property
+    def rank_state(self) -> None:
+        return None
+
+    def guard_shapes(self) -> None:
+        return None  # a DCP state has no model/ tensors to compare
+
+    def plan(self, coordinator: Coordinator, step: int) -> None:
+        """DCP's two planning phases over the coordinator's group (see the module's note)."""
+        planner, error, local = DefaultSavePlanner(), None, None
+        try:
+            planner.set_up_planner(
+                state_dict=self._state,
+                storage_meta=StorageMeta(checkpoint_id=self._root),
+                is_coordinator=self.rank == 0,
+            )
+            plan = planner.create_local_plan()
+            values = {
+                item.index.fqn: encode_value(item, planner)
+                for item in plan.items
+                if item.type == WriteItemType.BYTE_IO
+            }
+            local = (plan, values)
+        except Exception as exc:  # the others learn it at the agreement below
+            error = exc
+        gathered = collectives.gather_objects(
+            local, group=coordinator.group, rank=self.rank, world_size=self.world_size
+        )
+        parts: list[_Part | None] | None = None
+        if gathered is not None:  # rank 0
+            parts = [None] * self.world_size
+            if all(g is not None for g in gathered):
+                try:
+                    parts = self._global_plan(planner, gathered)
+                except Exception as exc:
+                    error = exc
+        part = collectives.scatter_objects(parts, group=coordinator.group, rank=self.rank)
+        if part is not None and error is None:
+            try:
+                self._pieces = self._own_pieces(planner, planner.finish_plan(part.plan), part)
+            except Exception as exc:
+                error = exc
+        coordinator.agree(error, f"planning the save of step {step}")
+
+    def _global_plan(self, planner: DefaultSavePlanner, gathered: list[Any]) -> list[_Part | None]:
+        """Rank 0: torch's global plan, its pieces, and the commit record's DCP document."""
+        plans, metadata = planner.create_global_plan([plan for plan, _ in gathered])
+        pieces = plan_pieces(plans, 0)
+        values: dict[str, Any] = {}
+        for plan, (_, encoded) in zip(plans, gathered, strict=True):
+            for item in plan.items:  # the value of the rank that keeps it after de-duplication
+                if item.type == WriteItemType.BYTE_IO:
+                    values[item.index.fqn] = encoded[item.index.fqn]
+        self._attrs = {ATTR: metadata_json(metadata, pieces, values)}
+        return [_Part(plan, pieces) for plan in plans]
+
+    def _own_pieces(self, planner: DefaultSavePlanner, plan: SavePlan, part: _Part) -> list[Piece]:
+        """Every piece's spec (each rank's writer places its row from all of them), with
+        this rank's chunk data as the source of its own and nothing for the others'."""
+        data: dict[tuple, torch.Tensor] = {}
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                continue
+            offsets = tuple(int(o) for o in item.tensor_data.chunk.offsets)  # type: ignore[union-attr]
+            tensor = planner.resolve_data(item)
+            if not isinstance(tensor, torch.Tensor):
+                raise ConfigError(f"{item.index.fqn}: the planner gave {type(tensor).__name__}")
+            data[(item.index.fqn, offsets)] = tensor.detach()
+        empty = torch.empty(0)
+        pieces = []
+        for chunk in part.pieces:
+            spec = chunk.spec(self.world_size)
+            if chunk.owner != self.rank:
+                pieces.append(Piece(spec, empty.to(chunk.dtype)))
+                continue
+            tensor = data.pop((chunk.fqn, chunk.offsets), None)
+            if tensor is None:
+                raise CheckpointError(f"internal: no data planned for {chunk.fqn}")
+            if tuple(tensor.shape) != chunk.sizes or tensor.dtype != chunk.dtype:
+                raise ConfigError(
+                    f"{chunk.fqn}: the planner gave a {tensor.dtype} tensor of shape "
+                    f"{list(tensor.shape)} for a chunk of {chunk.dtype} {list(chunk.sizes)}"
+                )
+            pieces.append(Piece(spec, tensor.reshape(-1)))
+        if data:
+            raise CheckpointError(f"internal: no piece planned for {next(iter(data))[0]}")
+        return pieces
+
+    def snapshot(
+        self, pieces: list[Piece], blocking: bool
+    ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
+        """Blocking: this rank's chunks as they are (on the host). Otherwise a copy into the
+        staging buffers kept from save to save ([Note: reused staging buffers] in
+        zerostate.dcp.staging), made now: the caller may change the state once save returns."""
+        mine = {p.spec.name: p.source for p in pieces if p.source.numel()}
+        if blocking:
+            return {n: t.to("cpu").contiguous() for n, t in mine.items()}, None
+        staged = self._staging.stage(mine)
+        self._staged = list(staged.values())
+        return staged, None
+
+    def written(self) -> None:
+        """The session is done with the snapshot: its staging buffers may serve the next save."""
+        if self._staged:
+            self._staging.release(self._staged)
+            self._staged = []
