@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from zerostate.checkpoint.async_save import BackgroundSaves
 from zerostate.checkpoint.roots import EngineRoots
 from zerostate.checkpoint.save import SaveSession, commit_timeout_s
+from zerostate.checkpoint.tier_load import load as load_tiers
 from zerostate.checkpoint.tiers import TIERS, MemoryTiers
 from zerostate.dcp import StorageReader
 from zerostate.dcp.common import _check_step, _root_text
@@ -174,16 +175,8 @@ def save(
     started = time.perf_counter()
     translated = _translated(state)
     where = _root_text(root)
-    rank, world_size = (
-        collectives.group_info(process_group) if collectives.is_initialized() else (0, 1)
-    )
-    coordinator = Coordinator(
-        group=process_group,
-        rank=rank,
-        world_size=world_size,
-        device=collectives.control_device(process_group),
-        arrival_timeout_s=collectives.DEFAULT_TIMEOUT_S,
-    ).with_errors(CheckpointError, " and nothing was committed")
+    coordinator = _coordinator(process_group, " and nothing was committed")
+    rank, world_size = coordinator.rank, coordinator.world_size
     source = DcpSource(
         translated,
         root=where,
@@ -218,6 +211,22 @@ def save(
     return handle.step
 
 
+def _coordinator(process_group: Any, note: str) -> Coordinator:
+    """The control collectives of a save or load over ``process_group`` (one process without
+    torch.distributed: a group of one); a rank that did not fail raises ``note`` after the
+    rank that did ([Note: failing together] in zerostate.checkpoint)."""
+    rank, world_size = (
+        collectives.group_info(process_group) if collectives.is_initialized() else (0, 1)
+    )
+    return Coordinator(
+        group=process_group,
+        rank=rank,
+        world_size=world_size,
+        device=collectives.control_device(process_group),
+        arrival_timeout_s=collectives.DEFAULT_TIMEOUT_S,
+    ).with_errors(CheckpointError, note)
+
+
 def _memory_tiers(process_group: Any, coordinator: Coordinator) -> MemoryTiers:
     """The memory tier of ``zerostate.save``'s saves over ``process_group`` (one per group:
     it keeps the group's nodes, its save counts and its background copy to the root)."""
@@ -241,13 +250,50 @@ def load(
 ) -> int:
     """Load a step of ``root`` into ``state`` (in place: tensors are filled, objects get
     ``load_state_dict``), at any world size; collective. ``step`` None loads the newest
-    committed step. Returns the step loaded."""
-    reader = StorageReader(root, step, storage_options=storage_options)
+    committed step. Returns the step loaded.
+
+    As ``engine.load`` does, the step comes from the nearest tier that holds it whole: this
+    node's memory tier, the replicas on the other nodes (a replaced machine's ranks), else
+    ``root`` itself ([Note: memory tier] in zerostate.checkpoint.tiers); rank 0 logs which
+    served it. A memory copy that fails its checks is not trusted: the load falls back to
+    ``root`` (every tensor of the state is then read again from there)."""
     translated = _translated(state)
-    reader.read_metadata()  # a step that is absent, hostile or not DCP's: its own error here
+    where = _root_text(root)
+    coordinator = _coordinator(process_group, ", and nothing was loaded")
+    tiers = _memory_tiers(process_group, coordinator)
+    durable = _ROOTS.open(where, storage_options)
+
+    def run(memory: Any, at: int | None) -> int:  # memory: the memory tier's storage
+        if memory is None:
+            return _load_step(translated, where, at, storage_options, coordinator)
+        return _load_step(translated, tiers.tier(durable.location).path, at, None, coordinator)
+
+    loaded = load_tiers(tiers, durable, _check_step(step), run, _SAVES.wait)
+    _ROOTS.memory(where).own = True  # resuming this run ([Note: save target])
+    return loaded
+
+
+def _load_step(
+    state: dict[str, Any],
+    root: str,
+    step: int | None,
+    storage_options: dict | None,
+    coordinator: Coordinator,
+) -> int:
+    """``dcp.load`` of one step of ``root`` through zerostate's reader; the step loaded."""
+    reader = StorageReader(root, step, storage_options=storage_options)
+    error = None
+    try:  # a step that is absent, hostile or not DCP's: its own error here
+        reader.read_metadata()
+    except Exception as exc:
+        error = exc
+    # Each node reads its own memory copy: every rank must know whether all opened theirs
+    # before any enters DCP's collectives ([Note: failing together] in zerostate.checkpoint).
+    which = "the newest step" if step is None else f"step {step}"
+    coordinator.agree(error, f"opening {which} of {root}")
     reader.requested_step = reader.step  # DCP reads the metadata again: the same step
     try:
-        dcp.load(translated, storage_reader=reader, process_group=process_group)
+        dcp.load(state, storage_reader=reader, process_group=coordinator.group)
     except CheckpointException as exc:
         raise _unwrapped(
             exc, f"step {reader.step} of {reader.root} does not match the state"
@@ -256,5 +302,4 @@ def load(
         reader.close()
     if reader.step is None:
         raise ZerostateError("internal: the load opened no step")
-    _ROOTS.memory(reader.root).own = True  # resuming this run ([Note: save target])
     return reader.step

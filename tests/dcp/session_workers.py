@@ -114,3 +114,76 @@ def memory_tier_saves(rank: int, world_size: int, tmp: str, root: str) -> dict:
     finally:
         for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "ZEROSTATE_MEMORY_DIR"):
             os.environ.pop(name, None)
+
+
+def memory_tier_loads(rank: int, world_size: int, tmp: str, root: str) -> dict:
+    """A durable save, then two non-blocking memory-tier saves (no durable copy); fresh
+    states load: from memory, from the replicas once node 1's memory is gone, and from the
+    durable root once both nodes' memory is gone. Each load's one line from rank 0."""
+    import logging
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    import zerostate
+
+    torch.set_num_threads(1)
+    os.environ["GROUP_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    memory = os.path.join(tmp, f"shm-node{rank}")
+    os.environ["ZEROSTATE_MEMORY_DIR"] = memory
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Lines(level=logging.INFO)
+    logger = logging.getLogger("zerostate.checkpoint.tier_load")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model, ddp, opt, sched = _trained(rank)
+        state = {"model": ddp, "optim": opt, "sched": sched}
+        out: dict[str, Any] = {"saved0": zerostate.save(state, root)}
+        out["saved0_state"] = ddp_state(model, opt, sched)
+        steps = []
+        for _ in range(2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)  # a new state each save
+            saved = ddp_state(model, opt, sched)
+            handle = zerostate.save(
+                state, root, tier="memory", blocking=False, memory_durable_every=None
+            )
+            steps.append(handle.step)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)  # training goes on while the save is in flight
+            handle.wait()
+        out["memory_steps"], out["memory_state"] = steps, saved
+
+        def load(tag: str) -> None:
+            fresh, fopt, fsched = ddp_parts(1, 0.5)
+            fddp = torch.nn.parallel.DistributedDataParallel(fresh)
+            lines.clear()
+            out[tag] = zerostate.load({"model": fddp, "optim": fopt, "sched": fsched}, root)
+            out[f"{tag}_state"] = ddp_state(fresh, fopt, fsched)
+            out[f"{tag}_line"] = " | ".join(lines)
+
+        load("own")
+        dist.barrier()
+        if rank == 1:  # node 1 replaced: its memory is gone
+            shutil.rmtree(memory)
+        dist.barrier()
+        load("replicas")
+        dist.barrier()
+        shutil.rmtree(memory)  # both nodes' memory gone
+        dist.barrier()
+        load("fallback")
+        return out
+    finally:
+        logger.removeHandler(handler)
+        for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "ZEROSTATE_MEMORY_DIR"):
+            os.environ.pop(name, None)

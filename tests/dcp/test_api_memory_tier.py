@@ -39,3 +39,30 @@ def test_memory_tier_on_two_nodes_then_load_the_durable_copy(tmp_path):
     assert zerostate.load({"model": model, "optim": opt, "sched": sched}, root) == 1
     assert_same(workers.ddp_state(model, opt, sched), results[0]["saved"])
     assert not os.path.exists(os.path.join(root, "step-00000000"))
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    try:
+        assert_same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_zerostate_load_reads_the_memory_tier_then_replicas_then_the_root(tmp_path):
+    """``zerostate.load`` finds the newest step as ``engine.load`` does: this node's memory,
+    else the other nodes' replicas, else the durable root; rank 0 says which."""
+    root = str(tmp_path / "ckpt")
+    results = run_distributed(session_workers.memory_tier_loads, 2, str(tmp_path), root)
+    for r in results:
+        assert r["saved0"] == 0 and r["memory_steps"] == [1, 2], r
+        assert (r["own"], r["replicas"], r["fallback"]) == (2, 2, 0), r
+        assert _same_state(r["own_state"], r["memory_state"])
+        assert _same_state(r["replicas_state"], r["memory_state"])
+        assert _same_state(r["fallback_state"], r["saved0_state"])
+        assert not _same_state(r["memory_state"], r["saved0_state"])  # the check can fail
+    lines = results[0]
+    assert "step 2 from the memory tier: 2 node(s) from their own memory" in lines["own_line"]
+    assert "node(s) [1] from their peers' replicas" in lines["replicas_line"]
+    assert "step 0 from the durable tier" in lines["fallback_line"], lines["fallback_line"]
+    assert open_checkpoint(root).steps() == [0]  # the memory steps never reached the root
