@@ -13,11 +13,13 @@ from torch import nn
 import zerostate
 from zerostate.dist import comm
 
-WIDTH = 384  # a 384 x 384 weight (147,456 elements) is gathered in place; biases are packed
+# A 1,800 x 1,800 weight (at most 3 ranks: >= 1,080,000 elements a rank) is gathered in
+# place; the biases and the 7 x 1,800 weight are packed.
+WIDTH = 1800
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    assert WIDTH * WIDTH >= comm.IN_PLACE_MIN_NUMEL > WIDTH
+    assert -(-WIDTH * WIDTH // world_size) >= comm.IN_PLACE_MIN_PIECE > 7 * WIDTH
     out = {}
     for precision in ("fp32", "bf16"):
         for stage in (0, 1, 2):
@@ -44,8 +46,9 @@ def test_in_place_gathers_give_stage_0s_parameters(world_size: int) -> None:
         for precision in ("fp32", "bf16"):
             for stage in (1, 2):
                 # Sums in another order (all-reduce against reduce-scatter) differ by
-                # rounding; a range left stale would be off by the updates, ~1e-2 a step.
-                tol = dict(rtol=1e-4, atol=1e-5) if precision == "fp32" else dict(rtol=0, atol=1e-3)
+                # rounding, which Adam's normalisation can lift to ~1e-5 on one of millions
+                # of elements; a range left stale would be off by the updates, ~1e-2 a step.
+                tol = dict(rtol=1e-4, atol=1e-4) if precision == "fp32" else dict(rtol=0, atol=1e-3)
                 for got, want in zip(r[(precision, stage)], r[(precision, 0)], strict=True):
                     torch.testing.assert_close(got, want, **tol)
                 # One all-gather of Psi elements per step, padding of the packed ones aside.
