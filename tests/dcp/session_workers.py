@@ -7,18 +7,7 @@ from typing import Any
 import torch
 
 from tests.dcp.workers import ddp_parts, ddp_state
-
-
-def _trained(rank: int) -> tuple[torch.nn.Module, Any, Any, Any]:
-    model, opt, sched = ddp_parts(0, 1e-2)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    for step in range(2):
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))
-        ddp(x).square().mean().backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    return model, ddp, opt, sched
+from tests.dcp.workers import ddp_trained as _trained
 
 
 def async_save(rank: int, world_size: int, root: str) -> dict:
@@ -187,3 +176,33 @@ def memory_tier_loads(rank: int, world_size: int, tmp: str, root: str) -> dict:
         logger.removeHandler(handler)
         for name in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "ZEROSTATE_MEMORY_DIR"):
             os.environ.pop(name, None)
+
+
+def fsdp2_api_save(rank: int, world_size: int, root: str) -> dict:
+    """An FSDP2 model (uneven ``Shard(0)``) and its AdamW through ``zerostate.save``,
+    non-blocking, the next step taken while the save is in flight; the full state as of
+    the call (rank 0)."""
+    import zerostate
+    from tests.dcp.workers import TRAIN_STEPS, _full, build, train
+
+    torch.set_num_threads(1)
+    model, opt = build("shard0")
+    train(model, opt, rank, TRAIN_STEPS)
+    full = _full(model, opt)
+    handle = zerostate.save({"model": model, "optim": opt}, root, blocking=False)
+    train(model, opt, rank + 3, 1)  # changes every parameter and moment
+    handle.wait()
+    return {"step": handle.step, "full": full if rank == 0 else {}}
+
+
+def fsdp2_api_load(rank: int, world_size: int, root: str, layout: str) -> dict:
+    """A fresh model of ``layout`` with other values, ``zerostate.load``; the full state."""
+    import zerostate
+    from tests.dcp.workers import _full, build, train
+
+    torch.set_num_threads(1)
+    model, opt = build(layout)
+    train(model, opt, rank + 7, 1)  # other values everywhere: the load must replace them
+    step = zerostate.load({"model": model, "optim": opt}, root)
+    full = _full(model, opt)
+    return {"step": step, "full": full if rank == 0 else {}}

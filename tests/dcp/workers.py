@@ -152,11 +152,8 @@ def ddp_parts(seed: int, lr: float) -> tuple[nn.Module, torch.optim.Optimizer, A
     return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, _halving)
 
 
-def ddp_save(rank: int, world_size: int, root: str) -> dict:
-    """DDP + AdamW + LambdaLR, 2 steps, ``zerostate.save``; returns what was saved."""
-    import zerostate
-
-    torch.set_num_threads(1)
+def ddp_trained(rank: int) -> tuple[nn.Module, Any, torch.optim.Optimizer, Any]:
+    """``(model, its DDP wrapper, AdamW, LambdaLR)`` after 2 steps on this rank's batches."""
     model, opt, sched = ddp_parts(0, 1e-2)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     for step in range(2):
@@ -165,6 +162,15 @@ def ddp_save(rank: int, world_size: int, root: str) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad()
+    return model, ddp, opt, sched
+
+
+def ddp_save(rank: int, world_size: int, root: str) -> dict:
+    """DDP + AdamW + LambdaLR, 2 steps, ``zerostate.save``; returns what was saved."""
+    import zerostate
+
+    torch.set_num_threads(1)
+    model, ddp, opt, sched = ddp_trained(rank)
     got = zerostate.save({"model": ddp, "optim": opt, "sched": sched}, root)
     return {"step": got, **ddp_state(model, opt, sched)}
 
