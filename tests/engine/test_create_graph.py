@@ -143,8 +143,36 @@ def _worker(
 def test_a_gradient_penalty_trains_as_torch_at_every_stage(kind, stage, accum):
     want = _reference(kind, 2, accum)
     got = run_distributed(_worker, 2, kind, stage, accum)[0]
+    # The reference backpropagates both ranks' losses through one graph; a data-parallel
+    # job backpropagates each rank's and sums the gradients, which rounds differently. On
+    # the GPT-2 critic torch's own data-parallel recipe lands 1.9e-6 from the reference
+    # after 3 steps on an AVX-512 machine, so that case is held to the reference at 1e-5
+    # and to the data-parallel recipe at 1e-7 (zerostate equals it bit for bit there).
+    atol = 1e-5 if kind == "gpt2" else 1e-6
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=atol, msg=name)
+    if kind == "gpt2":
+        ddp = run_distributed(_data_parallel, 2, kind, accum)[0]
+        for name, value in ddp.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-7, msg=name)
+
+
+def _data_parallel(rank: int, world: int, kind: str, accum: int) -> dict:
+    """torch's data-parallel recipe by hand: each rank's loss backpropagated, the gradients
+    averaged by all-reduce, torch's AdamW."""
+    critic = _critic(kind)
+    opt = torch.optim.AdamW(critic.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(accum):
+            data = _data(step, micro, kind)
+            (_loss(critic, *(_rows(t, rank, world) for t in data)) / accum).backward()
+        for p in critic.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+    return {n: p.detach().clone() for n, p in critic.named_parameters()}
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
