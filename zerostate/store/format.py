@@ -28,6 +28,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _escape_ascii
 from typing import Any
 
 import torch
@@ -242,8 +243,89 @@ def manifest_path(rank: int) -> str:
 
 # ------------------------------------------------------------------------------ JSON
 def dumps(obj: Any) -> bytes:
-    """Canonical JSON (sorted keys, no NaN) so every rank and every run write equal bytes."""
-    return (json.dumps(obj, sort_keys=True, indent=1, allow_nan=False) + "\n").encode()
+    """Canonical JSON (sorted keys, no NaN) so every rank and every run write equal bytes.
+
+    [Note: canonical JSON, fast]
+    The bytes are exactly ``json.dumps(obj, sort_keys=True, indent=1, allow_nan=False)``
+    plus a newline (the golden checkpoints pin them). With ``indent`` set, CPython's ``json``
+    runs its pure-Python encoder, and a commit record lists every piece of every rank:
+    0.12 s of rank 0's commit for a 2-rank FSDP2 state of 305 tensors, growing with tensors
+    x ranks, on the critical path of every save. :func:`_canonical` writes the same text with
+    the C string escaper and one recursion; anything it does not handle (a non-str key, a
+    type JSON refuses, a cycle) goes to ``json.dumps``, which gives its own result or error.
+    """
+    try:
+        text = _canonical(obj)
+    except _Unhandled:
+        text = json.dumps(obj, sort_keys=True, indent=1, allow_nan=False)
+    return (text + "\n").encode()
+
+
+class _Unhandled(Exception):
+    """A value :func:`_canonical` leaves to ``json.dumps``."""
+
+
+def _canonical(obj: Any) -> str:
+    out: list[str] = []
+    append = out.append
+    escape = _escape_ascii
+    inf = math.inf
+
+    def encode(o: Any, pad: str) -> None:
+        if isinstance(o, str):
+            append(escape(o))
+        elif o is None:
+            append("null")
+        elif o is True:
+            append("true")
+        elif o is False:
+            append("false")
+        elif isinstance(o, int):
+            append(int.__repr__(o))
+        elif isinstance(o, float):
+            if o != o or o == inf or o == -inf:
+                raise _Unhandled  # json.dumps raises its ValueError
+            append(float.__repr__(o))
+        elif isinstance(o, dict):
+            if not o:
+                append("{}")
+                return
+            inner = pad + " "
+            append("{")
+            first = True
+            for key in sorted(o) if all(type(k) is str for k in o) else _unhandled():
+                append(inner if first else "," + inner)
+                first = False
+                append(escape(key))
+                append(": ")
+                encode(o[key], inner)
+            append(pad)
+            append("}")
+        elif isinstance(o, (list, tuple)):
+            if not o:
+                append("[]")
+                return
+            inner = pad + " "
+            append("[")
+            first = True
+            for item in o:
+                append(inner if first else "," + inner)
+                first = False
+                encode(item, inner)
+            append(pad)
+            append("]")
+        else:
+            raise _Unhandled  # a type JSON refuses: json.dumps says which
+
+    try:
+        encode(obj, "\n")
+    except RecursionError as exc:  # a cycle, or nesting too deep for one recursion
+        raise _Unhandled from exc
+    return "".join(out)
+
+
+def _unhandled() -> list:
+    raise _Unhandled
 
 
 def check_json(value: Any, what: str) -> Any:
