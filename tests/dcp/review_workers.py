@@ -1,0 +1,72 @@
+"""Workers of tests/dcp/test_api_review.py (module level: the pool pickles them by name)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {k: torch.randn(64) for k in ("a", "b", "c", "d")}
+
+
+def _committed(root: str) -> list[int]:
+    from zerostate.store import open_checkpoint
+
+    try:
+        return list(open_checkpoint(root).steps())
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _try(fn) -> dict:
+    t0 = time.monotonic()
+    try:
+        got = fn()
+    except Exception as exc:  # noqa: BLE001
+        return {"type": type(exc).__name__, "message": str(exc)[:300], "s": time.monotonic() - t0}
+    return {"type": None, "value": got, "s": time.monotonic() - t0}
+
+
+def write_fails(rank: int, world_size: int, root: str, blocking: bool, where: str) -> dict:
+    """``where``: 'write' (rank 1's write raises) or 'commit' (rank 0's commit record)."""
+    import zerostate
+    from zerostate.store import writer as writer_mod
+
+    torch.set_num_threads(1)
+    os.environ["ZEROSTATE_COMMIT_TIMEOUT_S"] = "30"
+    state = _state()
+    cls = writer_mod.StepWriter
+    orig_write, orig_commit = cls.write, cls._write_commit_record
+
+    def bad_write(self, shards):
+        raise OSError("disk full (injected)")
+
+    def bad_commit(self, manifests):
+        raise OSError("commit refused (injected)")
+
+    if where == "write" and rank == 1:
+        cls.write = bad_write
+    if where == "commit" and rank == 0:
+        cls._write_commit_record = bad_commit
+    try:
+
+        def first():
+            h = zerostate.save(state, root, blocking=blocking)
+            if not blocking:
+                h.wait()
+                return h.step
+            return h
+
+        out = {"first": _try(first)}
+    finally:
+        cls.write, cls._write_commit_record = orig_write, orig_commit
+    out["committed_after_first"] = _committed(root)
+    out["second"] = _try(lambda: zerostate.save(state, root))
+    out["third"] = _try(lambda: zerostate.save(state, root))
+    out["committed"] = _committed(root)
+    return out
