@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
 
@@ -70,3 +69,37 @@ def write_fails(rank: int, world_size: int, root: str, blocking: bool, where: st
     out["third"] = _try(lambda: zerostate.save(state, root))
     out["committed"] = _committed(root)
     return out
+
+
+def persist_fails_on_rank1(rank: int, world_size: int, tmp: str, root: str) -> dict:
+    """A blocking memory save whose copy to ``root`` fails on rank 1: how long each rank
+    takes to raise."""
+    import zerostate
+    from zerostate.checkpoint import tiers as tiers_mod
+
+    torch.set_num_threads(1)
+    os.environ["GROUP_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["ZEROSTATE_MEMORY_DIR"] = os.path.join(tmp, f"shm-node{rank}")
+    os.environ["ZEROSTATE_COMMIT_TIMEOUT_S"] = "20"
+    if rank == 1:  # rank 1's copy to the root cannot read its memory files
+        orig_read = tiers_mod.MemoryTier.read
+
+        def bad_read(self, step, rel):
+            if threading_name().startswith("zs-persist"):
+                raise OSError("memory copy unreadable (injected)")
+            return orig_read(self, step, rel)
+
+        tiers_mod.MemoryTier.read = bad_read
+    state = _state()
+    out = {
+        "result": _try(lambda: zerostate.save(state, root, tier="memory", memory_durable_every=1))
+    }
+    out["committed"] = _committed(root)
+    return out
+
+
+def threading_name() -> str:
+    import threading
+
+    return threading.current_thread().name

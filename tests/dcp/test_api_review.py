@@ -63,3 +63,15 @@ def test_a_durable_save_does_not_delete_the_memory_steps_copy_in_flight(tmp_path
     shutil.rmtree(tmp_path / "shm")  # load step 5 from the root, not from memory
     assert zerostate.load(got, root, 5) == 5
     assert torch.equal(got["t"], state["t"])
+
+
+def test_one_rank_failing_to_copy_a_memory_step_to_the_root_fails_the_others_at_once(tmp_path):
+    """Blocking memory save with a durable copy; rank 1's copy fails. Rank 0 must not poll
+    for rank 1's manifest until the commit timeout (20 s here), nothing is committed."""
+    root = str(tmp_path / "ckpt")
+    results = run_distributed(review_workers.persist_fails_on_rank1, 2, str(tmp_path), root)
+    print(results)
+    for r in results:
+        assert r["result"]["type"] is not None, r
+        assert r["result"]["s"] < 10, r
+        assert r["committed"] == [], r
