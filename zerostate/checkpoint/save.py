@@ -224,10 +224,13 @@ class SaveSession:
         if not memory.shapes_checked:
             shapes = self.source.guard_shapes()
         newer_ok = self._allow_older_step or memory.own
-        check = root.check_save(self.step, model_shapes=shapes, newer_ok=newer_ok)
+        # A memory save writes nothing into the root: it leaves its partial steps alone (one
+        # may be the memory tier's copy of an earlier step, still being written).
+        clean = self.tier is None
+        check = root.check_save(self.step, model_shapes=shapes, newer_ok=newer_ok, clean=clean)
         newest = self.tier.newest() if self.tier is not None and self.step is None else None
         if newest is not None and newest >= check.step:  # the memory tier is ahead
-            check = root.check_save(newest + 1, model_shapes=shapes, newer_ok=newer_ok)
+            check = root.check_save(newest + 1, model_shapes=shapes, newer_ok=newer_ok, clean=clean)
         latest = -1 if check.latest is None else check.latest
         if check.refusal is not None:
             return REFUSED, 0, latest, check.step, check.refusal
