@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -103,3 +104,71 @@ def threading_name() -> str:
     import threading
 
     return threading.current_thread().name
+
+
+def durable_every_of_each_save(rank: int, world_size: int, tmp: str, root: str) -> dict:
+    """Two non-blocking memory saves in a row, the first with memory_durable_every=2 (its
+    count is 1: no copy to the root), the second with 1 while the first still runs in the
+    background. Which steps reach the root."""
+    import zerostate
+    from zerostate.api import _TIERS
+    from zerostate.checkpoint import tiers as tiers_mod
+
+    torch.set_num_threads(1)
+    os.environ["GROUP_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["ZEROSTATE_MEMORY_DIR"] = os.path.join(tmp, f"shm-node{rank}")
+    finish = tiers_mod.MemorySave.finish
+
+    def slow_finish(self, *args, **kwargs):
+        time.sleep(1.0)  # the first save is still in the background when the second starts
+        return finish(self, *args, **kwargs)
+
+    tiers_mod.MemorySave.finish = slow_finish
+    try:
+        state = _state()
+        zerostate.save(state, root, tier="memory", memory_durable_every=2, blocking=False)
+        h = zerostate.save(state, root, tier="memory", memory_durable_every=1, blocking=False)
+        h.wait()
+    finally:
+        tiers_mod.MemorySave.finish = finish
+    for tiers in _TIERS.values():
+        tiers.wait()
+    return {"committed": _committed(root)}
+
+
+def memory_saves_during_a_copy(rank: int, world_size: int, tmp: str, root: str) -> dict:
+    """Non-blocking memory saves with memory_durable_every=1: the second starts while the
+    first step's copy to ``root`` is under way (its commit record comes late)."""
+    import zerostate
+    from zerostate.api import _ROOTS, _TIERS
+    from zerostate.store import format as fmt
+
+    torch.set_num_threads(1)
+    os.environ["GROUP_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    os.environ["ZEROSTATE_MEMORY_DIR"] = os.path.join(tmp, f"shm-node{rank}")
+    storage = _ROOTS.open(root).storage
+    write, target = type(storage).write, f"{fmt.step_dir(0)}/{fmt.COMMIT_PATH}"
+
+    def slow_commit(self, path, data, *args, **kwargs):
+        if path == target:
+            time.sleep(1.0)
+        return write(self, path, data, *args, **kwargs)
+
+    type(storage).write = slow_commit
+    out: dict[str, Any] = {}
+    try:
+        state = _state()
+        zerostate.save(state, root, tier="memory", memory_durable_every=1, blocking=False)
+        manifest = os.path.join(root, fmt.step_dir(0), fmt.manifest_path(rank))
+        deadline = time.monotonic() + 30
+        while not os.path.exists(manifest) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the copy of step 0 is under way
+        h = zerostate.save(state, root, tier="memory", memory_durable_every=1, blocking=False)
+        out["second"] = _try(h.wait)
+        out["persist"] = _try(lambda: [t.wait() for t in _TIERS.values()])
+    finally:
+        type(storage).write = write
+    out["committed"] = _committed(root)
+    return out

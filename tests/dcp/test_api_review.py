@@ -75,3 +75,23 @@ def test_one_rank_failing_to_copy_a_memory_step_to_the_root_fails_the_others_at_
         assert r["result"]["type"] is not None, r
         assert r["result"]["s"] < 10, r
         assert r["committed"] == [], r
+
+
+def test_each_memory_save_copies_to_the_root_by_its_own_memory_durable_every(tmp_path):
+    """A save's memory_durable_every applies to that save, not to the save still running
+    in the background when it is called (else ranks whose background saves are at
+    different points could disagree on whether a step is copied)."""
+    root = str(tmp_path / "ckpt")
+    (result,) = run_distributed(review_workers.durable_every_of_each_save, 1, str(tmp_path), root)
+    assert result["committed"] == [1], result
+
+
+def test_a_memory_save_does_not_delete_the_previous_steps_copy_in_flight(tmp_path):
+    """The save guard of a memory save (step None) checks the step after the root's newest
+    committed one: the step being copied there. It must not remove it as a crashed save's
+    partial directory: memory saves write nothing into the root."""
+    root = str(tmp_path / "ckpt")
+    (result,) = run_distributed(review_workers.memory_saves_during_a_copy, 1, str(tmp_path), root)
+    assert result["second"]["type"] is None, result
+    assert result["persist"]["type"] is None, result
+    assert result["committed"] == [0, 1], result

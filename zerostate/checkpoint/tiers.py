@@ -161,6 +161,10 @@ class MemorySave:
 
     def __init__(self, tiers: MemoryTiers, durable: CheckpointRoot, tier: MemoryTier) -> None:
         self.tiers, self.durable, self.tier = tiers, durable, tier
+        #: This save's ``memory_durable_every``, as it was when the save was called: the copy
+        #: is decided on the background thread for a non-blocking save, by when the next
+        #: save may have set another.
+        self.durable_every = tiers.durable_every
         #: The coordinator of a background save's side group (None: on the caller's thread).
         self.background: Coordinator | None = None
         self.error: BaseException | None = None
@@ -369,7 +373,7 @@ class MemorySave:
         tiers = self.tiers
         count = tiers.save_counts.get(self.durable.location, 0) + 1
         tiers.save_counts[self.durable.location] = count
-        if not tiers.durable_every or count % tiers.durable_every:
+        if not self.durable_every or count % self.durable_every:
             return None
         tiers.wait()  # one persistence at a time; surfaces the previous one's error
         if tiers.executor is None:
