@@ -185,11 +185,16 @@ def save(
         world_size=world_size,
         staging=_STAGING,
     )
-    memory = None
+    memory, persisting = None, None
     if tier == "memory":  # [Note: memory tier] in zerostate.checkpoint.tiers
         tiers = _memory_tiers(process_group, coordinator)
         tiers.durable_every = memory_durable_every
         memory = tiers.saving(_ROOTS.open(where, storage_options))
+    else:  # an earlier memory save's copy to a root may still be under way
+        earlier = _TIERS.get(
+            process_group if process_group is not None else collectives.default_group()
+        )
+        persisting = earlier.wait if earlier is not None else None
     session = SaveSession(
         source,
         where,
@@ -203,6 +208,7 @@ def save(
         progress=None,
         allow_older_step=allow_older_step,
         tier=memory,
+        persisting=persisting,
     )
     handle = session.run(started)
     if not blocking:

@@ -206,6 +206,7 @@ class Checkpointer:
             progress=progress,
             allow_older_step=allow_older_step,
             tier=memory,
+            persisting=self.tiers.wait,
         )
         return session.run(start)
 

@@ -66,10 +66,15 @@ class SaveSession:
         progress: Callable[[int], None] | None,
         allow_older_step: bool,
         tier: Any = None,
+        persisting: Callable[[], None] | None = None,
     ) -> None:
         self.source, self.path, self.coordinator = source, path, coordinator
         #: A :class:`~zerostate.checkpoint.tiers.MemorySave` for ``tier="memory"``, else None.
         self.tier = tier
+        #: Waits for the memory tier's copy to a durable root in flight (re-raising its
+        #: error); a durable save runs it first: its retention deletes the partial steps
+        #: below its own, and the copy is one until its commit record is written.
+        self._persisting = persisting
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
         self._roots, self._saves = roots, saves
         self._timeout_s, self._blocking, self._progress = timeout_s, blocking, progress
@@ -168,6 +173,8 @@ class SaveSession:
         code, save_id, latest, step, error, refusal = OK, 0, -1, asked, None, None
         try:
             self._saves.wait()  # one save in flight; surfaces a previous background failure
+            if self.tier is None and self._persisting is not None:
+                self._persisting()  # [Note: memory tier]: not a partial step to retention
             # The engine's root object of this location, opened by its first save or load
             # there ([Note: one root per location]); every part of the save uses it.
             root = self._roots.open(self.path, self._storage_options)
@@ -217,10 +224,13 @@ class SaveSession:
         if not memory.shapes_checked:
             shapes = self.source.guard_shapes()
         newer_ok = self._allow_older_step or memory.own
-        check = root.check_save(self.step, model_shapes=shapes, newer_ok=newer_ok)
+        # A memory save writes nothing into the root: it leaves its partial steps alone (one
+        # may be the memory tier's copy of an earlier step, still being written).
+        clean = self.tier is None
+        check = root.check_save(self.step, model_shapes=shapes, newer_ok=newer_ok, clean=clean)
         newest = self.tier.newest() if self.tier is not None and self.step is None else None
         if newest is not None and newest >= check.step:  # the memory tier is ahead
-            check = root.check_save(newest + 1, model_shapes=shapes, newer_ok=newer_ok)
+            check = root.check_save(newest + 1, model_shapes=shapes, newer_ok=newer_ok, clean=clean)
         latest = -1 if check.latest is None else check.latest
         if check.refusal is not None:
             return REFUSED, 0, latest, check.step, check.refusal

@@ -161,6 +161,10 @@ class MemorySave:
 
     def __init__(self, tiers: MemoryTiers, durable: CheckpointRoot, tier: MemoryTier) -> None:
         self.tiers, self.durable, self.tier = tiers, durable, tier
+        #: This save's ``memory_durable_every``, as it was when the save was called: the copy
+        #: is decided on the background thread for a non-blocking save, by when the next
+        #: save may have set another.
+        self.durable_every = tiers.durable_every
         #: The coordinator of a background save's side group (None: on the caller's thread).
         self.background: Coordinator | None = None
         self.error: BaseException | None = None
@@ -369,7 +373,7 @@ class MemorySave:
         tiers = self.tiers
         count = tiers.save_counts.get(self.durable.location, 0) + 1
         tiers.save_counts[self.durable.location] = count
-        if not tiers.durable_every or count % tiers.durable_every:
+        if not self.durable_every or count % self.durable_every:
             return None
         tiers.wait()  # one persistence at a time; surfaces the previous one's error
         if tiers.executor is None:
@@ -384,9 +388,63 @@ class MemorySave:
     def _persist(
         self, step: int, rank: int, world: int, keep_last: int | None, timeout_s: float
     ) -> None:
-        """Background: the store's commit protocol, from the memory copy's files."""
+        """Background: the store's commit protocol, from the memory copy's files. A rank
+        whose part fails leaves an abort note in the step, as an async save's writer does
+        ([Note: failing together] in zerostate.checkpoint), so that the others stop waiting
+        for its manifest or the commit record at once instead of at the timeout."""
+        tag: int | None = None
+        try:
+            raw, record = self.tier.record(step)
+            tag = crc32c.crc32c(raw)  # this save's record: notes of other attempts differ
+            self._copy_to_durable(step, rank, world, keep_last, timeout_s, raw, record, tag)
+        except Exception as exc:
+            if tag is not None:
+                self._abort_note(step, rank, tag, exc)
+            raise
+
+    def _abort_note(self, step: int, rank: int, tag: int, error: BaseException) -> None:
+        """Best effort: the storage that failed may refuse the note too (then the timeout)."""
+        storage = self.durable.storage
+        path = f"{fmt.step_dir(step)}/{fmt.abort_path(rank)}"
+        note = {"rank": rank, "record_crc": tag, "error": str(error)[:2000]}
+        try:
+            if storage.has_directories:
+                storage.makedirs([path.rsplit("/", 1)[0]])
+            storage.write(path, [fmt.group_document({"zerostate_abort": note})])
+            storage.sync_dirs()
+        except Exception:  # noqa: BLE001 - the original error is the one that matters
+            pass
+
+    def _raise_if_aborted(self, step: int, rank: int, world: int, tag: int) -> None:
         storage, directory = self.durable.storage, fmt.step_dir(step)
-        raw, record = self.tier.record(step)
+        for entry in storage.list_dir(f"{directory}/{fmt.ABORT_DIR}"):
+            other = int(entry[5:]) if entry.startswith("rank-") and entry[5:].isdigit() else -1
+            if other == rank or not 0 <= other < world:
+                continue
+            try:
+                raw = storage.read(f"{directory}/{fmt.abort_path(other)}")
+                note = fmt.parse_document(raw, "zerostate_abort", f"abort note of rank {other}")
+            except (FileNotFoundError, CheckpointError):
+                continue  # still being written, or not a note of ours
+            if note.get("record_crc") != tag:
+                continue  # left by another attempt at this step number
+            raise CheckpointError(
+                f"persisting memory step {step} to {self.durable.url}: rank {other} failed "
+                f"to copy its part ({str(note.get('error'))[:500]}); nothing was committed"
+            )
+
+    def _copy_to_durable(
+        self,
+        step: int,
+        rank: int,
+        world: int,
+        keep_last: int | None,
+        timeout_s: float,
+        raw: bytes,
+        record: Any,
+        tag: int,
+    ) -> None:
+        storage, directory = self.durable.storage, fmt.step_dir(step)
         own = [
             row_path(g, rank) for g, rows in sorted(record.rows.items()) if rows[rank] is not None
         ]
@@ -408,6 +466,7 @@ class MemorySave:
         deadline, delay = time.monotonic() + timeout_s, 0.01
         if rank != 0:  # done when the step is: as an async save's ranks, they wait for it
             while not self.durable.is_committed(step):
+                self._raise_if_aborted(step, rank, world, tag)
                 if time.monotonic() > deadline:
                     raise CheckpointError(
                         f"persisting memory step {step} to {self.durable.url}: rank {rank} "
@@ -426,6 +485,8 @@ class MemorySave:
                 expected = record.manifests[r]
                 if len(data) == expected.nbytes and crc32c.crc32c(data) == expected.crc32c:
                     pending.discard(r)
+            if pending:
+                self._raise_if_aborted(step, rank, world, tag)
             if pending and time.monotonic() > deadline:
                 raise CheckpointError(
                     f"persisting memory step {step} to {self.durable.url}: after {timeout_s:g}s "

@@ -243,13 +243,16 @@ class CheckpointRoot:
         *,
         model_shapes: dict[str, tuple[int, ...]] | None = None,
         newer_ok: bool = True,
+        clean: bool = True,
     ) -> SaveCheck:
         """Rank 0's save guard before a save of ``step``, from one listing of the root:
         why the save must not write there (with ``model_shapes``: :meth:`save_refusal`),
         a newer committed step (unless ``newer_ok``), or ``step`` already committed. When
         none holds, a partial directory of ``step`` left by a crashed save is removed so
-        the new save starts clean; nothing else is changed. ``step`` None checks the step
-        after the newest committed one (0 in an empty root); the check says which."""
+        the new save starts clean (unless ``clean`` is False: a save that writes elsewhere,
+        the memory tier, whose copy of a step to this root may be that partial directory);
+        nothing else is changed. ``step`` None checks the step after the newest committed
+        one (0 in an empty root); the check says which."""
         committed, partial = self.scan()
         if step is None:
             step = committed[-1] + 1 if committed else 0
@@ -259,7 +262,7 @@ class CheckpointRoot:
         if not newer_ok and committed and committed[-1] > step:
             newer = committed[-1]
         check = SaveCheck(tuple(committed), refusal, newer, step in committed, step)
-        if check.ok and step in partial:
+        if clean and check.ok and step in partial:
             self._remove_partial([step], set(committed))
         return check
 
