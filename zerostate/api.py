@@ -191,9 +191,7 @@ def save(
         tiers.durable_every = memory_durable_every
         memory = tiers.saving(_ROOTS.open(where, storage_options))
     else:  # an earlier memory save's copy to a root may still be under way
-        earlier = _TIERS.get(
-            process_group if process_group is not None else collectives.default_group()
-        )
+        earlier = _TIERS.get(_tiers_key(process_group))
         persisting = earlier.wait if earlier is not None else None
     session = SaveSession(
         source,
@@ -233,10 +231,14 @@ def _coordinator(process_group: Any, note: str) -> Coordinator:
     ).with_errors(CheckpointError, note)
 
 
+def _tiers_key(process_group: Any) -> Any:
+    return process_group if process_group is not None else collectives.default_group()
+
+
 def _memory_tiers(process_group: Any, coordinator: Coordinator) -> MemoryTiers:
     """The memory tier of ``zerostate.save``'s saves over ``process_group`` (one per group:
     it keeps the group's nodes, its save counts and its background copy to the root)."""
-    key = process_group if process_group is not None else collectives.default_group()
+    key = _tiers_key(process_group)
     tiers = _TIERS.get(key)
     if tiers is None:
         tiers = MemoryTiers(
