@@ -232,3 +232,19 @@ def test_memory_tier_row_runs(tmp_path):
     for line in ratios:
         value = float(line.split("=")[1].split("x")[0])
         assert math.isfinite(value) and value > 0, line
+
+
+@pytest.mark.timeout(300)
+def test_dcp_plan_scale_runs():
+    """benchmarks/dcp_plan_scale.py at two small world sizes: every number present, and what
+    the largest rank is sent the same at 4 and 16 ranks (each rank's own pieces only)."""
+    cmd = [sys.executable, "-m", "benchmarks.dcp_plan_scale", "--ranks", "4", "16",
+           "--tensors", "12"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["ranks"] for r in rows] == [4, 16], proc.stdout
+    for row in rows:
+        assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in row.values()), row
+        assert row["commit_record_MB"] > 0 and row["read_metadata_s"] > 0, row
+    assert rows[1]["largest_rank_plan_kB"] < 1.25 * rows[0]["largest_rank_plan_kB"], rows

@@ -124,6 +124,7 @@ class SaveSession:
                 progress=self._progress,
                 save_id=f"{save_id:016x}",
                 refs=frozen.refs,
+                **self.source.writer_options,
             )
             shards, copy = self.source.snapshot(pieces, self._blocking)
         except Exception as exc:

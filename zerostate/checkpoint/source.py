@@ -85,6 +85,13 @@ class SaveSource(Protocol):
         """This rank's manifest state (after :meth:`plan`), or None."""
         ...
 
+    @property
+    def writer_options(self) -> dict[str, Any]:
+        """Further ``StepWriter`` keywords of this rank (after :meth:`plan`): the row views
+        of a rank given only its own specs, and rank 0's digests of theirs ([Note: row
+        views] in zerostate.store.rows); ``{}`` where every rank has every spec."""
+        ...
+
     def snapshot(
         self, pieces: list[Piece], blocking: bool
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
@@ -184,6 +191,10 @@ class EngineSource:
     @property
     def attrs(self) -> dict:
         return self._attrs
+
+    @property
+    def writer_options(self) -> dict[str, Any]:
+        return {}  # every rank places its rows from every spec
 
     @property
     def rank_state(self) -> dict:

@@ -11,7 +11,9 @@ Every chunk DCP plans (an N-D box of a global tensor, written by one rank) is on
 a tensor of the step, in the group ``dcp``, of the box's shape, owned whole by the rank that
 writes it (layout ``chunk_numel = numel``, ``first_owner = rank``). Piece names start with
 the writing rank (``dcp/r<rank>.<seq>.<fqn>``), so each rank's pieces lie back to back in
-its row and each rank writes one checksummed row object. The commit record's
+its row and each rank writes one checksummed row object. The coordinator sends each rank
+only its own pieces and the row views that place them ([Note: row views] in
+zerostate.store.rows), so planning a save is linear in ranks, not quadratic. The commit record's
 ``attrs["dcp"]`` holds DCP's metadata as JSON: for each tensor its global shape, dtype and
 chunk boxes with the piece holding each; each non-tensor value (DCP's ``BYTE_IO`` items:
 an optimizer's ``param_groups``, a scheduler's state) in ``zerostate.jsonstate``'s lossless

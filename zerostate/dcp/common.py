@@ -59,13 +59,17 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class _GlobalPlan:
-    """What the coordinator decides for the whole save; sent to every rank in its plan."""
+    """What the coordinator decides for the whole save; each rank gets its part in its plan
+    ([Note: row views] in zerostate.store.rows)."""
 
     step: int
     save_id: str
     world_size: int
     coordinator: int
     pieces: tuple[Piece, ...]
+    """The receiving rank's own pieces; the coordinator keeps every piece."""
+    views: dict | None = None
+    """The row views that place the receiving rank's pieces (None: it has every piece)."""
 
     def store_rank(self, rank: int) -> int:
         """The store rank of a DCP rank: the coordinator is the store's rank 0 (it commits)."""

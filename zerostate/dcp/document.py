@@ -5,6 +5,7 @@ the pieces of a global plan, the non-tensor values as JSON, and the step's DCP d
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -19,8 +20,10 @@ from zerostate import jsonstate
 from zerostate.dcp.common import DCP_VERSION, Piece, piece_name
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.store import format as fmt
+from zerostate.store import format2
+from zerostate.store.rows import RowView, plan_groups, row_views
 
-__all__ = ["encode_value", "metadata_json", "plan_pieces"]
+__all__ = ["RankParts", "encode_value", "metadata_json", "plan_pieces", "split_pieces"]
 
 
 def plan_pieces(plans: list[SavePlan], coordinator: int) -> tuple[Piece, ...]:
@@ -56,6 +59,48 @@ def plan_pieces(plans: list[SavePlan], coordinator: int) -> tuple[Piece, ...]:
             )
             seq += 1
     return tuple(pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankParts:
+    """A global plan's pieces split by store rank ([Note: row views] in
+    zerostate.store.rows): what the coordinator sends each rank is its own pieces and the
+    row views that place them, O(its chunks), never the whole list; the coordinator (store
+    rank 0) keeps every piece and the digest each rank's manifest must carry."""
+
+    pieces: list[tuple[Piece, ...]]  # by store rank; rank 0's is every piece
+    specs: list[Any]  # the spec of every piece, in the order of ``pieces[0]``
+    views: list[dict[str, RowView] | None]  # by store rank; None for rank 0
+    digests: dict[int, str]  # store rank (not 0) -> its manifest's specs digest
+
+    def writer_options(self, store_rank: int) -> dict[str, Any]:
+        """``StepWriter`` keywords of a store rank besides its specs."""
+        if store_rank == 0:
+            return {"manifest_digests": self.digests}
+        return {"views": self.views[store_rank]}
+
+
+def split_pieces(pieces: tuple[Piece, ...], world_size: int) -> RankParts:
+    """Every rank's own pieces, its row views and its manifest digest, in one pass over the
+    pieces (``plan_pieces`` names them rank first: each rank's are consecutive)."""
+    specs = [p.spec(world_size) for p in pieces]
+    plans = plan_groups(((s.name, s.layout, s.dtype.itemsize) for s in specs), world_size)
+    views = row_views(plans, {p.name: p.owner for p in pieces})
+    own: list[list[Piece]] = [[] for _ in range(world_size)]
+    own_specs: list[list[Any]] = [[] for _ in range(world_size)]
+    for piece, spec in zip(pieces, specs, strict=True):
+        own[piece.owner].append(piece)
+        own_specs[piece.owner].append(spec)
+    digests = {
+        r: format2.view_digest(own_specs[r], world_size, views.get(r, {}))
+        for r in range(1, world_size)
+    }
+    return RankParts(
+        [tuple(pieces)] + [tuple(own[r]) for r in range(1, world_size)],
+        specs,
+        [None] + [views.get(r, {}) for r in range(1, world_size)],
+        digests,
+    )
 
 
 def encode_value(item: WriteItem, planner: SavePlanner) -> Any:

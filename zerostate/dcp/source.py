@@ -32,7 +32,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from zerostate.checkpoint.async_save import Piece
 from zerostate.dcp.common import ATTR
 from zerostate.dcp.common import Piece as ChunkPiece
-from zerostate.dcp.document import encode_value, metadata_json, plan_pieces
+from zerostate.dcp.document import (
+    RankParts,
+    encode_value,
+    metadata_json,
+    plan_pieces,
+    split_pieces,
+)
 from zerostate.dcp.staging import StagingBuffers
 from zerostate.dist import collectives
 from zerostate.dist.coordinator import Coordinator
@@ -43,10 +49,13 @@ __all__ = ["DcpSource"]
 
 @dataclasses.dataclass(frozen=True)
 class _Part:
-    """What rank 0 sends each rank: its finished part of the global plan, and every piece."""
+    """What rank 0 sends each rank: its part of the global plan, its own pieces and the row
+    views that place them ([Note: row views] in zerostate.store.rows); rank 0's own part
+    has no pieces: it keeps every piece."""
 
     plan: SavePlan
     pieces: tuple[ChunkPiece, ...]
+    views: dict | None
 
 
 class DcpSource:
@@ -74,6 +83,8 @@ class DcpSource:
         }
         self._pieces: list[Piece] = []
         self._attrs: dict = {}
+        self._parts: RankParts | None = None  # rank 0: every rank's part
+        self._writer_options: dict[str, Any] = {}
         self._staged: list[torch.Tensor] = []
 
     @property
@@ -87,6 +98,10 @@ class DcpSource:
     @property
     def rank_state(self) -> None:
         return None
+
+    @property
+    def writer_options(self) -> dict[str, Any]:
+        return self._writer_options
 
     def guard_shapes(self) -> None:
         return None  # a DCP state has no model/ tensors to compare
@@ -123,6 +138,13 @@ class DcpSource:
         part = collectives.scatter_objects(parts, group=coordinator.group, rank=self.rank)
         if part is not None and error is None:
             try:
+                if self.rank == 0:  # every piece, kept when planning
+                    if self._parts is None:
+                        raise CheckpointError("internal: rank 0 lost its global plan")
+                    part = dataclasses.replace(part, pieces=self._parts.pieces[0])
+                    self._writer_options = self._parts.writer_options(0)
+                else:
+                    self._writer_options = {"views": part.views}
                 self._pieces = self._own_pieces(planner, planner.finish_plan(part.plan), part)
             except Exception as exc:
                 error = exc
@@ -138,11 +160,15 @@ class DcpSource:
                 if item.type == WriteItemType.BYTE_IO:
                     values[item.index.fqn] = encoded[item.index.fqn]
         self._attrs = {ATTR: metadata_json(metadata, pieces, values)}
-        return [_Part(plan, pieces) for plan in plans]
+        self._parts = parts = split_pieces(pieces, self.world_size)
+        return [
+            _Part(plan, parts.pieces[r] if r else (), parts.views[r])
+            for r, plan in enumerate(plans)
+        ]
 
     def _own_pieces(self, planner: DefaultSavePlanner, plan: SavePlan, part: _Part) -> list[Piece]:
-        """Every piece's spec (each rank's writer places its row from all of them), with
-        this rank's chunk data as the source of its own and nothing for the others'."""
+        """The pieces this rank's writer is given (rank 0: every piece, the others' with no
+        data; any other rank: its own), each with its chunk data as the source."""
         data: dict[tuple, torch.Tensor] = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -154,8 +180,9 @@ class DcpSource:
             data[(item.index.fqn, offsets)] = tensor.detach()
         empty = torch.empty(0)
         pieces = []
-        for chunk in part.pieces:
-            spec = chunk.spec(self.world_size)
+        specs = self._parts.specs if self._parts is not None and self.rank == 0 else None
+        for i, chunk in enumerate(part.pieces):
+            spec = specs[i] if specs is not None else chunk.spec(self.world_size)
             if chunk.owner != self.rank:
                 pieces.append(Piece(spec, empty.to(chunk.dtype)))
                 continue

@@ -29,7 +29,7 @@ from zerostate.dcp.common import (
     _rank_of_caller,
     _root_text,
 )
-from zerostate.dcp.document import encode_value, metadata_json, plan_pieces
+from zerostate.dcp.document import RankParts, encode_value, metadata_json, plan_pieces, split_pieces
 from zerostate.dcp.staging import StagingBuffers
 from zerostate.errors import (
     CheckpointError,
@@ -88,13 +88,15 @@ class StorageWriter(dcp_storage.StorageWriter):
         self._rank = 0
         self._is_coordinator = False
         self._plan: _GlobalPlan | None = None
+        self._full: _GlobalPlan | None = None  # the coordinator's: every piece
+        self._parts: RankParts | None = None  # the coordinator's: what each rank was sent
         self._writer: StepWriter | None = None
         self._root: CheckpointRoot | None = None
 
     def __getstate__(self) -> dict:
         # Staging processes get the configuration only; a save opens what it needs.
         state = dict(self.__dict__)
-        state.update(_plan=None, _writer=None, _root=None)
+        state.update(_plan=None, _full=None, _parts=None, _writer=None, _root=None)
         return state
 
     def _open_root(self) -> CheckpointRoot:
@@ -162,14 +164,29 @@ class StorageWriter(dcp_storage.StorageWriter):
                 "step (step=None takes the next one) or delete it first"
             )
         glob = _GlobalPlan(check.step, uuid.uuid4().hex, len(plans), self._rank, pieces)
-        # Every rank gets the whole piece list: its StepWriter places its row from all the
-        # specs, and rank 0 checks at commit that every rank planned the same step.
-        return [dataclasses.replace(plan, storage_data=glob) for plan in plans]
+        # Each rank gets its own pieces and the row views that place them, not the whole
+        # list (quadratic in ranks); this rank, the store's rank 0, keeps every piece and
+        # checks at commit that each rank wrote what it was sent.
+        parts = split_pieces(pieces, len(plans))
+        self._full, self._parts = glob, parts
+        out = []
+        for index, plan in enumerate(plans):
+            r = glob.store_rank(index)
+            # The coordinator's own part travels empty: it keeps the whole plan here.
+            own = dataclasses.replace(
+                glob, pieces=parts.pieces[r] if r else (), views=parts.views[r]
+            )
+            out.append(dataclasses.replace(plan, storage_data=own))
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         glob = plan.storage_data
         if not isinstance(glob, _GlobalPlan):
             raise CheckpointError("internal: the save plan lacks zerostate's global plan")
+        if glob.store_rank(self._rank) == 0:  # the coordinator: every piece, kept here
+            if self._full is None or self._full.save_id != glob.save_id:
+                raise CheckpointError("internal: the coordinator lost its global plan")
+            glob = self._full
         self._plan, self.step = glob, glob.step
         read: list[torch.Tensor] = []  # staged buffers this save reads, freed when it is done
         try:
@@ -217,15 +234,23 @@ class StorageWriter(dcp_storage.StorageWriter):
             results.append(
                 WriteResult(item.index, data.numel() * data.element_size(), ("piece", piece.name))
             )
+        if me == 0:  # every spec, made once when planning, and the digests of the others
+            if self._parts is None:
+                raise CheckpointError("internal: the coordinator lost its global plan")
+            specs, options = self._parts.specs, self._parts.writer_options(0)
+        else:  # its own pieces, placed by the row views it was sent
+            specs = [p.spec(glob.world_size) for p in glob.pieces]
+            options = {"views": glob.views}
         self._writer = StepWriter(
             self._open_root().storage,
             glob.step,
             rank=me,
             world_size=glob.world_size,
-            specs=[p.spec(glob.world_size) for p in glob.pieces],
+            specs=specs,
             timeout_s=self.timeout_s,
             num_threads=self.num_threads,
             save_id=glob.save_id,
+            **options,
         )
         try:
             self._writer.write(shards)  # every row of this rank, then its manifest

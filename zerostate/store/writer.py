@@ -45,7 +45,7 @@ from zerostate.store import format2
 from zerostate.store import geometry as mesh_mod
 from zerostate.store.format import ChunkRecord
 from zerostate.store.refs import TensorRef
-from zerostate.store.rows import LazyShard, Source, row_parts, row_path
+from zerostate.store.rows import LazyShard, RowView, Source, row_parts, row_path
 from zerostate.store.storage import Storage, open_storage
 
 
@@ -99,7 +99,8 @@ class TensorSpec:
                 f"shape {shape} has {math.prod(shape)}"
             )
         attrs = dict(self.attrs or {})
-        fmt.check_json(attrs, f"{self.name}: attrs")
+        if attrs:  # (most specs have none: a JSON encoding each adds up at 10^5 pieces)
+            fmt.check_json(attrs, f"{self.name}: attrs")
         clash = [k for k in fmt.RESERVED_ARRAY_ATTRS if k in attrs]
         if clash:
             raise ConfigError(f"{self.name}: attrs keys {clash} are set by the store; rename them")
@@ -121,6 +122,9 @@ class StepWriter:
     every rank), makes rank 0 ignore manifests left behind by an earlier attempt.
     ``refs`` name tensors the step refers to instead of storing them (the same on every
     rank; see [Note: tensor references] in ``refs.py``): they are not written.
+    ``views`` (ranks other than 0): ``specs`` are only this rank's tensors, placed in their
+    groups' rows by these views; rank 0, given every spec, takes ``manifest_digests[r]``
+    as the digest rank ``r``'s manifest must carry ([Note: row views] in ``rows.py``).
     """
 
     def __init__(
@@ -139,6 +143,8 @@ class StepWriter:
         save_id: str | None = None,
         rank_state: dict | None = None,
         refs: list[TensorRef] | None = None,
+        views: dict[str, RowView] | None = None,
+        manifest_digests: dict[int, str] | None = None,
     ) -> None:
         if not isinstance(world_size, int) or not 1 <= world_size <= fmt.MAX_RANKS + 1:
             raise ConfigError(
@@ -167,15 +173,20 @@ class StepWriter:
         self._refs_json = _refs_json(refs or [], step, world_size)
         fmt.check_name_tree([s.name for s in specs] + list(self._refs_json))
         self._specs = {s.name: s for s in specs}
-        self._tensors_json, self._plans = format2.tensor_entries(specs, world_size)
+        if views and (rank == 0 or refs):
+            raise ConfigError(
+                "row views are for ranks other than 0 (rank 0 commits the step from every "
+                "spec) and cannot be combined with refs"
+            )
+        self._tensors_json, self._plans = format2.tensor_entries(specs, world_size, views)
         meshes = any(s.mesh is not None for s in specs)
         if meshes and refs:
             raise ConfigError("a step with mesh tensors cannot refer to tensors of other steps")
         self._version = mesh_mod.VERSION if meshes else format2.VERSION
-        digested = self._tensors_json
-        if self._refs_json:  # steps without references keep the digest they always had
-            digested = {"tensors": self._tensors_json, "refs": self._refs_json}
-        self._digest = fmt.specs_digest(digested)
+        self._digest = format2.writer_digest(self._tensors_json, self._refs_json, views)
+        #: Rank 0: the digest each rank's manifest must carry where it is not rank 0's own
+        #: (ranks written with row views: [Note: row views] in ``rows.py``).
+        self._manifest_digests = dict(manifest_digests or {})
         self._storage = open_storage(root, storage_options)
         # Groups this rank stores bytes of, and the tensors each row waits for.
         self._waiting = {
@@ -444,7 +455,7 @@ class StepWriter:
             self.world_size,
         ):
             raise CorruptCheckpointError(f"{where} names another step, rank or world size")
-        if manifest.get("specs_digest") != self._digest:
+        if manifest.get("specs_digest") != self._manifest_digests.get(r, self._digest):
             raise DistributedMismatchError(
                 f"rank {r} saved step {self.step} with different tensor specs than rank 0 "
                 "(names, shapes, dtypes, layouts or attrs differ); every rank must pass the "
