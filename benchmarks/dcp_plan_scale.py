@@ -10,8 +10,9 @@ scatter pickles them), each rank holding ``--tensors`` tensors of 4 elements und
 its own (one piece each, as FSDP gives every rank a chunk of every parameter). Per N, in
 seconds: torch's ``create_global_plan`` on the coordinator (DCP's own cost, the yardstick),
 our ``prepare_global_plan``, pickling every rank's plan, the bytes sent (total and the
-largest non-coordinator's), the commit (``finish``: the record built, validated, written),
-the commit record's size, and one rank's ``read_metadata`` when loading the step.
+largest non-coordinator's), a non-coordinator's ``write_data`` (median), the commit
+(``finish``: the record built, validated, written), the commit record's size, and one
+rank's ``read_metadata`` when loading the step.
 Prints one JSON object per N.
 """
 
@@ -52,9 +53,13 @@ def measure(world_size: int, tensors: int, root: str) -> dict:
     sent = [pickle.dumps(plan) for plan in plans]
     t3 = time.perf_counter()
     results: list = [None] * world_size
+    others: list[float] = []  # each non-coordinator's write_data (its specs, row, manifest)
     for r in [*range(1, world_size), 0]:
+        start = time.perf_counter()
         plan = pickle.loads(sent[r]) if r else plans[0]
         results[r] = writers[r].write_data(planners[r].finish_plan(plan), planners[r]).wait()
+        others.append(time.perf_counter() - start)
+    others.pop()  # the coordinator's
     t4 = time.perf_counter()
     writers[0].finish(metadata, results)
     t5 = time.perf_counter()
@@ -73,6 +78,7 @@ def measure(world_size: int, tensors: int, root: str) -> dict:
         "pickle_plans_s": round(t3 - t2, 3),
         "plans_MB": round(sum(map(len, sent)) / 1e6, 2),
         "largest_rank_plan_kB": round(max(map(len, sent[1:])) / 1e3, 1),
+        "rank_write_data_median_s": round(sorted(others)[len(others) // 2], 4),
         "commit_s": round(t5 - t4, 3),
         "commit_record_MB": round(record_nbytes / 1e6, 2),
         "read_metadata_s": round(t6 - t5, 3),

@@ -80,6 +80,7 @@ class RankParts:
         return {"views": self.views[store_rank]}
 
 
+@fmt.gc_paused  # [Note: GC paused while parsing] in zerostate.store.format
 def split_pieces(pieces: tuple[Piece, ...], world_size: int) -> RankParts:
     """Every rank's own pieces, its row views and its manifest digest, in one pass over the
     pieces (``plan_pieces`` names them rank first: each rank's are consecutive)."""
@@ -126,6 +127,7 @@ def encode_value(item: WriteItem, planner: SavePlanner) -> Any:
     return value
 
 
+@fmt.gc_paused  # [Note: GC paused while parsing] in zerostate.store.format
 def metadata_json(metadata: Metadata, pieces: tuple[Piece, ...], values: dict[str, Any]) -> dict:
     """DCP's metadata as the JSON document of a step (see [Note: DCP steps]); ``values``:
     every non-tensor value's encoding by key."""

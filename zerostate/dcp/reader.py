@@ -314,6 +314,7 @@ def step_contents(
     return state.metadata, dict(state.pieces), dict(state.values)
 
 
+@fmt.gc_paused  # [Note: GC paused while parsing] in zerostate.store.format
 def _parse_step(reader: Any) -> _Step:
     """Validate a committed step's DCP document against its pieces; see [Note: DCP steps]."""
     where = f"step {reader.step} at {reader.url}"

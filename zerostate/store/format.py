@@ -22,6 +22,8 @@ hierarchy (it warns about any object that is not a zarr node).
 
 from __future__ import annotations
 
+import functools
+import gc
 import hashlib
 import json
 import math
@@ -242,6 +244,34 @@ def manifest_path(rank: int) -> str:
 
 
 # ------------------------------------------------------------------------------ JSON
+def gc_paused(fn: Any) -> Any:
+    """Run ``fn`` with Python's cyclic garbage collector paused (and resumed after).
+
+    [Note: GC paused while parsing]
+    Encoding or parsing a commit record allocates an object or more per piece (a DCP step
+    at 256 ranks x 300 tensors: 76,800 pieces, a 52 MB record), and each allocation burst
+    lets the collector walk the whole heap, the training process's included: in a 64-rank
+    simulation the commit took 2.2 s with the collector and 1.3 s without, a rank's
+    ``read_metadata`` 1.5 s and 0.5 s. Nothing these functions build holds a reference
+    cycle, so pausing loses nothing; a cycle another thread makes meanwhile is collected
+    once the collector resumes. Nested calls leave it to the outermost, and a collector
+    that was already off stays off.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@gc_paused
 def dumps(obj: Any) -> bytes:
     """Canonical JSON (sorted keys, no NaN) so every rank and every run write equal bytes.
 
@@ -370,6 +400,7 @@ def array_document(
     )
 
 
+@gc_paused
 def parse_document(raw: bytes, key: str, where: str) -> dict:
     """The ``attributes[key]`` dict of a zarr group document read from storage."""
     if len(raw) > MAX_DOCUMENT_NBYTES:

@@ -154,6 +154,7 @@ class StepRecord:
     format_version: int = VERSION
 
 
+@fmt.gc_paused
 def parse_commit_record(record: dict, expected_step: int, where: str) -> StepRecord:
     """Validate a format-2 commit record read from storage; every name, number and offset
     is checked before use (rows against the plan lazily, see ``check_row``)."""

@@ -463,6 +463,7 @@ class StepWriter:
             )
         return manifest, raw
 
+    @fmt.gc_paused  # [Note: GC paused while parsing] in format.py
     def _write_commit_record(self, manifests: dict[int, tuple[dict, bytes]]) -> None:
         rows: dict[str, list[dict | None]] = {g: [None] * self.world_size for g in self._plans}
         files: dict[str, dict] = {}
