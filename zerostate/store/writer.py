@@ -521,6 +521,16 @@ class StepWriter:
         # Validate what we are about to commit exactly as a reader will.
         format2.parse_commit_record(record, self.step, f"commit record of {self.url}")
         doc = fmt.group_document({"zerostate_commit": record})
+        if len(doc) > fmt.MAX_DOCUMENT_NBYTES:
+            # A reader refuses a larger document: committing it would leave a step that
+            # saved and cannot be opened.
+            raise CheckpointError(
+                f"step {self.step} at {self.url}: its commit record would be {len(doc)} "
+                f"bytes, over the {fmt.MAX_DOCUMENT_NBYTES} a reader accepts, so nothing was "
+                f"committed. It lists every tensor of the step ({len(self._tensors_json)} "
+                "here; a DCP step has one per chunk, about ranks x tensors): save fewer, "
+                "larger tensors, or the state in parts under separate roots"
+            )
         self._storage.write(self._path(fmt.COMMIT_PATH), [doc])
         self._storage.sync_dirs()
 
