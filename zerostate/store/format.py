@@ -328,7 +328,14 @@ def _canonical(obj: Any) -> str:
                 first = False
                 append(escape(key))
                 append(": ")
-                encode(o[key], inner)
+                value = o[key]
+                kind = type(value)  # strings and ints inline: a call each is most of the time
+                if kind is str:
+                    append(escape(value))
+                elif kind is int:
+                    append(int.__repr__(value))
+                else:
+                    encode(value, inner)
             append(pad)
             append("}")
         elif isinstance(o, (list, tuple)):
@@ -341,7 +348,13 @@ def _canonical(obj: Any) -> str:
             for item in o:
                 append(inner if first else "," + inner)
                 first = False
-                encode(item, inner)
+                kind = type(item)
+                if kind is str:
+                    append(escape(item))
+                elif kind is int:
+                    append(int.__repr__(item))
+                else:
+                    encode(item, inner)
             append(pad)
             append("]")
         else:
