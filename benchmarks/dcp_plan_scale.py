@@ -33,11 +33,13 @@ from zerostate.dcp import StorageReader, StorageWriter
 from zerostate.store import format as fmt
 
 
-def measure(world_size: int, tensors: int, root: str) -> dict:
-    states = [
-        {f"layers.{i}.w.r{r}": torch.full((4,), float(r)) for i in range(tensors)}
-        for r in range(world_size)
-    ]
+def drive_save(states: list[dict], root: str) -> dict:
+    """One ``dcp.save`` of ``len(states)`` ranks (rank r saving ``states[r]``) through our
+    writers, in this process, as DCP's ``_save_state_dict`` drives a storage writer on each
+    rank: torch's planner, the plans pickled as DCP's scatter pickles them, each rank's
+    ``write_data`` on what it was sent, the coordinator's ``finish``. Returns what each
+    rank was sent (pickled, by rank; the coordinator's own part included) and the times."""
+    world_size = len(states)
     planners = [DefaultSavePlanner() for _ in range(world_size)]
     writers = [StorageWriter(root) for _ in range(world_size)]
     local = []
@@ -63,6 +65,24 @@ def measure(world_size: int, tensors: int, root: str) -> dict:
     t4 = time.perf_counter()
     writers[0].finish(metadata, results)
     t5 = time.perf_counter()
+    return {
+        "sent": sent,
+        "dcp_create_global_plan_s": t1 - t0,
+        "ours_prepare_global_plan_s": t2 - t1,
+        "pickle_plans_s": t3 - t2,
+        "rank_write_data_median_s": sorted(others)[len(others) // 2] if others else 0.0,
+        "commit_s": t5 - t4,
+    }
+
+
+def measure(world_size: int, tensors: int, root: str) -> dict:
+    states = [
+        {f"layers.{i}.w.r{r}": torch.full((4,), float(r)) for i in range(tensors)}
+        for r in range(world_size)
+    ]
+    run = drive_save(states, root)
+    sent = run["sent"]
+    t5 = time.perf_counter()
     reader = StorageReader(root)
     reader.read_metadata()
     t6 = time.perf_counter()
@@ -73,13 +93,13 @@ def measure(world_size: int, tensors: int, root: str) -> dict:
     return {
         "ranks": world_size,
         "pieces": world_size * tensors,
-        "dcp_create_global_plan_s": round(t1 - t0, 3),
-        "ours_prepare_global_plan_s": round(t2 - t1, 3),
-        "pickle_plans_s": round(t3 - t2, 3),
+        "dcp_create_global_plan_s": round(run["dcp_create_global_plan_s"], 3),
+        "ours_prepare_global_plan_s": round(run["ours_prepare_global_plan_s"], 3),
+        "pickle_plans_s": round(run["pickle_plans_s"], 3),
         "plans_MB": round(sum(map(len, sent)) / 1e6, 2),
         "largest_rank_plan_kB": round(max(map(len, sent[1:])) / 1e3, 1),
-        "rank_write_data_median_s": round(sorted(others)[len(others) // 2], 4),
-        "commit_s": round(t5 - t4, 3),
+        "rank_write_data_median_s": round(run["rank_write_data_median_s"], 4),
+        "commit_s": round(run["commit_s"], 3),
         "commit_record_MB": round(record_nbytes / 1e6, 2),
         "read_metadata_s": round(t6 - t5, 3),
     }

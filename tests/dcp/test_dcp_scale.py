@@ -5,8 +5,8 @@ get that rank's own pieces and the row views that place them ([Note: row views] 
 zerostate/store/rows.py), not the whole piece list: sent to every rank, that list made a
 save's planning quadratic in ranks (at 256 ranks and 300 tensors, 76 s of pickling on the
 coordinator and 2.2 GB scattered per save). Driven here in one process, as DCP's
-``_save_state_dict`` drives a storage writer on N ranks, with the real planner; the step
-written is then loaded back whole and verified.
+``_save_state_dict`` drives a storage writer on N ranks, with the real planner
+(``benchmarks/dcp_plan_scale.py``'s driver); the step is then loaded back whole and verified.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from zerostate.dcp import StorageReader, StorageWriter
+from benchmarks.dcp_plan_scale import drive_save
+from zerostate.dcp import StorageReader
 from zerostate.dcp.source import DcpSource
 from zerostate.dcp.staging import StagingBuffers
 from zerostate.store import open_checkpoint
@@ -37,37 +38,16 @@ def _rank_state(rank: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def _drive_dcp_save(root: str, world_size: int) -> tuple[list[int], dict]:
-    """One dcp.save of ``world_size`` ranks through our writers; the pickled size of what
-    the coordinator sends each other rank, and every rank's state."""
-    states = [_rank_state(r) for r in range(world_size)]
-    planners = [DefaultSavePlanner() for _ in range(world_size)]
-    writers = [StorageWriter(root) for _ in range(world_size)]
-    local = []
-    for r in range(world_size):
-        planners[r].set_up_planner(states[r], StorageMeta(checkpoint_id=root), r == 0)
-        writers[r].set_up_storage_writer(r == 0, rank=r)
-        local.append(writers[r].prepare_local_plan(planners[r].create_local_plan()))
-    plans, metadata = planners[0].create_global_plan(local)
-    plans = writers[0].prepare_global_plan(plans)
-    sent = [len(pickle.dumps(plans[r])) for r in range(1, world_size)]
-    for r in range(1, world_size):
-        assert {p.owner for p in plans[r].storage_data.pieces} == {r}
-    results = [None] * world_size
-    for r in [*range(1, world_size), 0]:
-        final = planners[r].finish_plan(plans[r])
-        results[r] = writers[r].write_data(final, planners[r]).wait()
-    writers[0].finish(metadata, results)
-    merged = {k: v for s in states for k, v in s.items()}
-    return sent, merged
-
-
 def test_what_each_rank_is_sent_by_dcp_save_does_not_grow_with_ranks(tmp_path):
     sizes = {}
     for world_size in (4, 32):
         root = str(tmp_path / f"w{world_size}")
-        sent, expected = _drive_dcp_save(root, world_size)
-        sizes[world_size] = max(sent)
+        states = [_rank_state(r) for r in range(world_size)]
+        sent = drive_save(states, root)["sent"]
+        for r in range(1, world_size):
+            assert {p.owner for p in pickle.loads(sent[r]).storage_data.pieces} == {r}
+        sizes[world_size] = max(len(b) for b in sent[1:])
+        expected = {k: v for s in states for k, v in s.items()}
         loaded = {k: torch.empty_like(v) for k, v in expected.items()}
         dcp.load(loaded, storage_reader=StorageReader(root), no_dist=True)
         for key, value in expected.items():

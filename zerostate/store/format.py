@@ -316,19 +316,23 @@ def _canonical(obj: Any) -> str:
             if o != o or o == inf or o == -inf:
                 raise _Unhandled  # json.dumps raises its ValueError
             append(float.__repr__(o))
-        elif isinstance(o, dict):
+        elif isinstance(o, (dict, list, tuple)):
+            is_dict = isinstance(o, dict)
             if not o:
-                append("{}")
+                append("{}" if is_dict else "[]")
                 return
+            if is_dict:
+                keys = sorted(o) if all(type(k) is str for k in o) else _unhandled()
+                values = [o[k] for k in keys]
+            else:
+                keys, values = None, o
             inner = pad + " "
-            append("{")
-            first = True
-            for key in sorted(o) if all(type(k) is str for k in o) else _unhandled():
-                append(inner if first else "," + inner)
-                first = False
-                append(escape(key))
-                append(": ")
-                value = o[key]
+            append("{" if is_dict else "[")
+            for i, value in enumerate(values):
+                append(inner if not i else "," + inner)
+                if keys is not None:
+                    append(escape(keys[i]))
+                    append(": ")
                 kind = type(value)  # strings and ints inline: a call each is most of the time
                 if kind is str:
                     append(escape(value))
@@ -337,26 +341,7 @@ def _canonical(obj: Any) -> str:
                 else:
                     encode(value, inner)
             append(pad)
-            append("}")
-        elif isinstance(o, (list, tuple)):
-            if not o:
-                append("[]")
-                return
-            inner = pad + " "
-            append("[")
-            first = True
-            for item in o:
-                append(inner if first else "," + inner)
-                first = False
-                kind = type(item)
-                if kind is str:
-                    append(escape(item))
-                elif kind is int:
-                    append(int.__repr__(item))
-                else:
-                    encode(item, inner)
-            append(pad)
-            append("]")
+            append("}" if is_dict else "]")
         else:
             raise _Unhandled  # a type JSON refuses: json.dumps says which
 
