@@ -1,5 +1,5 @@
-"""A commit record larger than a reader accepts is refused at save time, before anything is
-committed: else the step would save and then never open (the reader's document limit)."""
+"""A commit record a reader would refuse (larger than its limit) or that cannot be encoded
+(attrs JSON cannot hold) is refused at save time, before anything is committed."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zerostate.dcp import StorageReader, StorageWriter
-from zerostate.errors import CheckpointError
+from zerostate.errors import CheckpointError, ConfigError
+from zerostate.store import StepWriter, open_checkpoint, plan_specs, save_tensors
 from zerostate.store import format as fmt
-from zerostate.store import open_checkpoint, save_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -43,4 +43,15 @@ def test_the_store_writer_refuses_it_too(tmp_path, monkeypatch):
     monkeypatch.setattr(fmt, "MAX_DOCUMENT_NBYTES", 4096)
     with pytest.raises(CheckpointError, match=r"commit record would be \d+ bytes"):
         save_tensors(str(tmp_path), 3, _state(40))
+    assert open_checkpoint(str(tmp_path)).steps() == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), {1, 2}, b"bytes"])
+def test_attrs_given_at_commit_that_json_cannot_hold_commit_nothing(tmp_path, bad):
+    tensors = _state(3)
+    specs = plan_specs(tensors, 1)
+    writer = StepWriter(str(tmp_path), 5, rank=0, world_size=1, specs=specs)
+    writer.write({s.name: tensors[s.name].reshape(-1) for s in specs})
+    with pytest.raises(ConfigError, match="attrs must be JSON-serialisable"):
+        writer.commit(attrs={"bad": bad})
     assert open_checkpoint(str(tmp_path)).steps() == []

@@ -178,13 +178,15 @@ class DcpSource:
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigError(f"{item.index.fqn}: the planner gave {type(tensor).__name__}")
             data[(item.index.fqn, offsets)] = tensor.detach()
-        empty = torch.empty(0)
+        empty: dict[torch.dtype, torch.Tensor] = {}  # one per dtype: never read or written
         pieces = []
         specs = self._parts.specs if self._parts is not None and self.rank == 0 else None
         for i, chunk in enumerate(part.pieces):
             spec = specs[i] if specs is not None else chunk.spec(self.world_size)
             if chunk.owner != self.rank:
-                pieces.append(Piece(spec, empty.to(chunk.dtype)))
+                if chunk.dtype not in empty:
+                    empty[chunk.dtype] = torch.empty(0, dtype=chunk.dtype)
+                pieces.append(Piece(spec, empty[chunk.dtype]))
                 continue
             tensor = data.pop((chunk.fqn, chunk.offsets), None)
             if tensor is None:

@@ -378,7 +378,10 @@ class StepWriter:
         what to commit only after every rank wrote (``zerostate.dcp``: DCP's metadata and
         the non-tensor values gathered from all ranks) hands them over here."""
         if attrs is not None:
-            self._attrs = fmt.check_json(dict(attrs), "attrs")
+            # Checked when the record is encoded (_write_commit_record), not here as well: a
+            # DCP step's attrs list every piece, and a second encoding of them cost rank 0
+            # about a second at 256 ranks.
+            self._attrs = dict(attrs)
         with self._lock:
             if not self._manifest_written:
                 needed = set().union(*self._waiting.values()) if self._waiting else set()
@@ -520,7 +523,13 @@ class StepWriter:
             record["refs"] = self._refs_json
         # Validate what we are about to commit exactly as a reader will.
         format2.parse_commit_record(record, self.step, f"commit record of {self.url}")
-        doc = fmt.group_document({"zerostate_commit": record})
+        try:
+            doc = fmt.group_document({"zerostate_commit": record})
+        except (TypeError, ValueError) as exc:  # attrs given to commit() that JSON cannot hold
+            raise ConfigError(
+                f"step {self.step}: attrs must be JSON-serialisable without NaN/inf ({exc}); "
+                "nothing was committed"
+            ) from exc
         if len(doc) > fmt.MAX_DOCUMENT_NBYTES:
             # A reader refuses a larger document: committing it would leave a step that
             # saved and cannot be opened.
