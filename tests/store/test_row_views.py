@@ -56,7 +56,9 @@ def _write(root: Path, specs, data, world_size: int, *, views: bool, lie: int | 
     for rank in range(1, world_size):
         own = [s for s in specs if owners[s.name] == rank]
         if own:
-            digests[rank] = format2.view_digest(own, world_size, by_rank[rank])
+            view = by_rank[rank]  # the digest the rank's own writer computes from its view
+            entries = format2.tensor_entries(own, world_size, view)[0]
+            digests[rank] = format2.writer_digest(entries, {}, view)
         else:
             digests[rank] = format2.writer_digest({}, {}, None)
     for rank in [*range(1, world_size), 0]:

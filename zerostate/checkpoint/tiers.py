@@ -77,6 +77,7 @@ from zerostate.store import format2
 from zerostate.store.memory_tier import MemoryTier, memory_dir
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.rows import row_path
+from zerostate.store.writer import find_abort_note, write_abort_note
 
 log = logging.getLogger(__name__)
 
@@ -403,34 +404,17 @@ class MemorySave:
             raise
 
     def _abort_note(self, step: int, rank: int, tag: int, error: BaseException) -> None:
-        """Best effort: the storage that failed may refuse the note too (then the timeout)."""
-        storage = self.durable.storage
-        path = f"{fmt.step_dir(step)}/{fmt.abort_path(rank)}"
-        note = {"rank": rank, "record_crc": tag, "error": str(error)[:2000]}
-        try:
-            if storage.has_directories:
-                storage.makedirs([path.rsplit("/", 1)[0]])
-            storage.write(path, [fmt.group_document({"zerostate_abort": note})])
-            storage.sync_dirs()
-        except Exception:  # noqa: BLE001 - the original error is the one that matters
-            pass
+        write_abort_note(self.durable.storage, fmt.step_dir(step), rank, {"record_crc": tag}, error)
 
     def _raise_if_aborted(self, step: int, rank: int, world: int, tag: int) -> None:
-        storage, directory = self.durable.storage, fmt.step_dir(step)
-        for entry in storage.list_dir(f"{directory}/{fmt.ABORT_DIR}"):
-            other = int(entry[5:]) if entry.startswith("rank-") and entry[5:].isdigit() else -1
-            if other == rank or not 0 <= other < world:
-                continue
-            try:
-                raw = storage.read(f"{directory}/{fmt.abort_path(other)}")
-                note = fmt.parse_document(raw, "zerostate_abort", f"abort note of rank {other}")
-            except (FileNotFoundError, CheckpointError):
-                continue  # still being written, or not a note of ours
-            if note.get("record_crc") != tag:
-                continue  # left by another attempt at this step number
+        found = find_abort_note(
+            self.durable.storage, fmt.step_dir(step), rank, world, {"record_crc": tag}
+        )
+        if found is not None:
+            other, error = found
             raise CheckpointError(
                 f"persisting memory step {step} to {self.durable.url}: rank {other} failed "
-                f"to copy its part ({str(note.get('error'))[:500]}); nothing was committed"
+                f"to copy its part ({error}); nothing was committed"
             )
 
     def _copy_to_durable(

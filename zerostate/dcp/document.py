@@ -21,7 +21,7 @@ from zerostate.dcp.common import DCP_VERSION, Piece, piece_name
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.store import format as fmt
 from zerostate.store import format2
-from zerostate.store.rows import RowView, plan_groups, row_views
+from zerostate.store.rows import RowView, row_views
 
 __all__ = ["RankParts", "encode_value", "metadata_json", "plan_pieces", "split_pieces"]
 
@@ -85,15 +85,15 @@ def split_pieces(pieces: tuple[Piece, ...], world_size: int) -> RankParts:
     """Every rank's own pieces, its row views and its manifest digest, in one pass over the
     pieces (``plan_pieces`` names them rank first: each rank's are consecutive)."""
     specs = [p.spec(world_size) for p in pieces]
-    plans = plan_groups(((s.name, s.layout, s.dtype.itemsize) for s in specs), world_size)
+    # One plan of every piece: the views come from it, and so do each rank's entries (a
+    # view places a rank's tensors where this plan does, so their entries are the same).
+    entries, plans = format2.tensor_entries(specs, world_size)
     views = row_views(plans, {p.name: p.owner for p in pieces})
     own: list[list[Piece]] = [[] for _ in range(world_size)]
-    own_specs: list[list[Any]] = [[] for _ in range(world_size)]
-    for piece, spec in zip(pieces, specs, strict=True):
+    for piece in pieces:
         own[piece.owner].append(piece)
-        own_specs[piece.owner].append(spec)
     digests = {
-        r: format2.view_digest(own_specs[r], world_size, views.get(r, {}))
+        r: format2.writer_digest({p.name: entries[p.name] for p in own[r]}, {}, views.get(r, {}))
         for r in range(1, world_size)
     }
     return RankParts(

@@ -92,12 +92,6 @@ def writer_digest(
     return fmt.specs_digest(digested)
 
 
-def view_digest(specs: list[Any], world_size: int, views: dict[str, RowView]) -> str:
-    """The digest of a rank given ``specs`` placed by ``views``: what rank 0 expects in the
-    manifest of a rank it sent them to ([Note: row views] in ``rows.py``)."""
-    return writer_digest(tensor_entries(specs, world_size, views)[0], {}, views)
-
-
 def group_entries(plans: dict[str, GroupPlan], rows: dict[str, list[dict | None]]) -> dict:
     return {
         g: {"inner_chunk_nbytes": p.inner, "row_nbytes": p.row_nbytes, "rows": rows[g]}

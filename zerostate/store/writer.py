@@ -547,32 +547,17 @@ class StepWriter:
         """Leave a note that this rank's part of the save failed, so that rank 0 and the
         others stop waiting for the commit at once instead of at the timeout. Best effort:
         the storage that failed may refuse the note too (then the timeout applies)."""
-        note = {"rank": self.rank, "save_id": self._save_id, "error": str(error)[:2000]}
-        path = self._path(fmt.abort_path(self.rank))
-        try:
-            if self._storage.has_directories:
-                self._storage.makedirs([path.rsplit("/", 1)[0]])
-            self._storage.write(path, [fmt.group_document({"zerostate_abort": note})])
-            self._storage.sync_dirs()
-        except Exception:  # noqa: BLE001 - the original error is the one that matters
-            pass
+        write_abort_note(self._storage, self._dir, self.rank, {"save_id": self._save_id}, error)
 
     def _raise_if_aborted(self) -> None:
-        listed = self._storage.list_dir(self._path(fmt.ABORT_DIR))
-        for entry in listed:
-            rank = _abort_rank(entry, self.world_size)
-            if rank is None or rank == self.rank:
-                continue
-            try:
-                raw = self._storage.read(self._path(fmt.abort_path(rank)))
-                note = fmt.parse_document(raw, "zerostate_abort", f"abort note of rank {rank}")
-            except (FileNotFoundError, CorruptCheckpointError):
-                continue  # still being written, or not a note of ours
-            if self._save_id is not None and note.get("save_id") != self._save_id:
-                continue  # left by an earlier attempt at this step
+        found = find_abort_note(
+            self._storage, self._dir, self.rank, self.world_size, {"save_id": self._save_id}
+        )
+        if found is not None:
+            rank, error = found
             raise CheckpointError(
                 f"step {self.step} at {self.url}: rank {rank} failed to save its part "
-                f"({str(note.get('error'))[:500]}); nothing was committed"
+                f"({error}); nothing was committed"
             )
 
     def _raise_if_removed(self) -> None:
@@ -640,6 +625,43 @@ def _refs_json(refs: list[TensorRef], step: int, world_size: int) -> dict[str, d
 def _meta_entry(path: str) -> str:
     """The entry of ``fmt.META_DIR`` that ``path`` (a path under it) lies in."""
     return path[len(fmt.META_DIR) + 1 :].split("/", 1)[0]
+
+
+def write_abort_note(
+    storage: Storage, directory: str, rank: int, tag: dict, error: BaseException
+) -> None:
+    """Best effort: leave a note in step ``directory`` that ``rank``'s part of a save (the
+    attempt ``tag`` names: ``{"save_id": ...}`` or another key) failed; the storage that
+    failed may refuse it too, and then the others wait for their timeout."""
+    note = {"rank": rank, **tag, "error": str(error)[:2000]}
+    path = f"{directory}/{fmt.abort_path(rank)}"
+    try:
+        if storage.has_directories:
+            storage.makedirs([path.rsplit("/", 1)[0]])
+        storage.write(path, [fmt.group_document({"zerostate_abort": note})])
+        storage.sync_dirs()
+    except Exception:  # noqa: BLE001 - the original error is the one that matters
+        pass
+
+
+def find_abort_note(
+    storage: Storage, directory: str, rank: int, world_size: int, tag: dict
+) -> tuple[int, str] | None:
+    """``(rank, error)`` of another rank's abort note in step ``directory`` left by the
+    attempt ``tag`` names (a tag value None matches any attempt), or None."""
+    for entry in storage.list_dir(f"{directory}/{fmt.ABORT_DIR}"):
+        other = _abort_rank(entry, world_size)
+        if other is None or other == rank:
+            continue
+        try:
+            raw = storage.read(f"{directory}/{fmt.abort_path(other)}")
+            note = fmt.parse_document(raw, "zerostate_abort", f"abort note of rank {other}")
+        except (FileNotFoundError, CorruptCheckpointError):
+            continue  # still being written, or not a note of ours
+        if any(v is not None and note.get(k) != v for k, v in tag.items()):
+            continue  # left by another attempt at this step
+        return other, str(note.get("error"))[:500]
+    return None
 
 
 def _abort_rank(entry: str, world_size: int) -> int | None:
