@@ -137,6 +137,10 @@ def _collectives_worker(rank: int, world: int) -> dict:
         assert not got.is_contiguous()
         collectives.all_reduce(got, group=None, stats=None)
         assert _close(got, expected), dtype
+    # a parameter (a leaf that requires grad) is reduced in place, as gloo reduces it
+    param = torch.nn.Parameter(torch.full((1 << 17,), float(rank + 1)))
+    collectives.all_reduce(param, group=None, stats=None)
+    assert torch.equal(param.detach(), torch.full((1 << 17,), float(sum(range(1, world + 1)))))
     # a subgroup of the first two ranks has a transport of its own
     sub = dist.new_group([0, 1])
     if rank < 2:
@@ -153,7 +157,7 @@ def _collectives_worker(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shared_memory_collectives_equal_glooes(world: int) -> None:
     results = run_distributed(_collectives_worker, world, timeout=300)
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["checked"] == len(DTYPES) * 4
         # the segments grew to the largest collective (8 bytes x 2M, two buffers)
         assert r["own"] >= 2 * 16_000_000, r
