@@ -5,7 +5,8 @@ different shapes (built from configs) in bf16 on N gloo ranks and, after the fir
 of a 2-micro-step accumulation (when each stage holds what the paper counts), sums the bytes
 of every live tensor storage of the process (found through the garbage collector, so
 nothing the engine forgets to report escapes). It prints, per stage, that sum less the
-working buffers ``memory_stats()`` names (``gathered_params``, ``comm_buffers``) and the
+working buffers ``memory_stats()`` names (``gathered_params``, ``comm_buffers``, and
+``peer_segments``: other ranks' shared-memory segments mapped into this process) and the
 model's own buffers, divided by the paper's per-rank model states with gradients counted at
 the reduce dtype's bytes: (2 + g + 12) Psi at stage 0, (2 + g) Psi + 12 Psi / N at stage 1,
 2 Psi + (g + 12) Psi / N at stage 2, (2 + g + 12) Psi / N at stage 3.
@@ -76,7 +77,7 @@ def measure(rank: int, world_size: int, name: str, stage: int, reduce_dtype: str
     gc.collect()
     live = live_storage_bytes()
     stats = engine.memory_stats()
-    named = stats["gathered_params"] + stats["comm_buffers"]
+    named = stats["gathered_params"] + stats["comm_buffers"] + stats["peer_segments"]
     grad_bytes = 4 if reduce_dtype == "fp32" else 2
     return {
         "psi": psi,

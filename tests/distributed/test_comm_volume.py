@@ -7,7 +7,12 @@ an all-reduce of X elements moves 2X; a reduce-scatter or all-gather whose full 
 X elements moves X. On gloo the engine runs a reduce-scatter as one ``reduce`` per segment
 and an all-gather as one ``broadcast`` per segment ([Note: gloo segments] in
 zerostate.collectives): a reduce or broadcast of X elements moves X, counted with the
-collective it is a segment of, so the segments of a full tensor of X add up to X. Psi is
+collective it is a segment of, so the segments of a full tensor of X add up to X. When
+the ranks share a host, the large collectives go through shared memory instead ([Note:
+shared-memory transport] in zerostate.dist.shm): the count wraps that transport's three
+collectives the same way (its barriers carry no data; setting it up, once per group and
+when its segments grow, is control traffic like the engine's construction and is not
+counted). Psi is
 the number of trainable parameters (a tied weight once).
 Frozen parameters are not in Psi: after construction they are never communicated at
 stages 0-2, and at stage 3 they are gathered for forward and backward like any other
@@ -23,6 +28,7 @@ from common import batch, local
 from helpers_dist import run_distributed
 
 import zerostate
+from zerostate.dist import collectives, shm
 from zerostate.models.gpt2 import GPT2, GPT2Config
 
 # Not pooled workers (this file is not in tests/conftest.py's POOLED_FILES): its ranks wrap
@@ -57,6 +63,12 @@ _COUNTED = {
     "broadcast": ("all_gather", lambda a, k: a[0].numel()),
 }
 _OTHER = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
+_SHARED = {
+    # shm.Transport method -> (kind, elements counted from (args, kwargs)); args[0] is self
+    "all_reduce": ("all_reduce", lambda a, k: 2 * a[1].numel()),
+    "reduce_scatter": ("reduce_scatter", lambda a, k: a[2].numel()),
+    "all_gather": ("all_gather", lambda a, k: a[1].numel()),
+}
 
 
 class WireCounter:
@@ -71,17 +83,35 @@ class WireCounter:
         for name in _OTHER:
             if hasattr(dist, name):
                 setattr(dist, name, self._wrap(getattr(dist, name), "other", lambda a, k: 1))
+        for name, (kind, numel) in _SHARED.items():
+            setattr(shm.Transport, name, self._wrap(getattr(shm.Transport, name), kind, numel))
+        self.shared = 0  # elements that went through shared memory (to show it was used)
+        shm.Transport.reserve = self._paused(shm.Transport.reserve)
+        collectives._new_transport = self._paused(collectives._new_transport)
+
+    def _paused(self, fn):
+        def wrapper(*args, **kwargs):
+            active, self.active = self.active, False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.active = active
+
+        return wrapper
 
     def _wrap(self, fn, kind, numel):
         def wrapper(*args, **kwargs):
             if self.active:
                 self.counts[kind] += numel(args, kwargs)
+                if args and isinstance(args[0], shm.Transport):
+                    self.shared += numel(args, kwargs)
             return fn(*args, **kwargs)
 
         return wrapper
 
     def reset(self) -> None:
         self.counts = dict.fromkeys(self.counts, 0)
+        self.shared = 0
 
 
 def _model(fields: dict, tied: bool) -> GPT2:
@@ -109,7 +139,8 @@ def _worker(rank: int, world_size: int, models: dict, stages: list[int], warmup:
                 engine.backward(engine(local(x, rank, world_size), local(y, rank, world_size)))
                 engine.step()
                 counter.active = False
-            out[(name, stage)] = (psi, dict(counter.counts), engine.comm_stats())
+            wire = dict(counter.counts, shared=counter.shared)
+            out[(name, stage)] = (psi, wire, engine.comm_stats())
             del engine, model
     return out
 
@@ -124,6 +155,8 @@ def _check(results: list[dict], world_size: int) -> None:
             f"{wire}; comm_stats total {stats['total']['elements']:,}"
         )
         assert wire["other"] == 0, (key, wire)
+        if name in ("12M d384", "100M"):  # its large collectives took the shared memory
+            assert wire["shared"] > 0, (key, wire)
         if stage < 3:
             assert abs(ratio - 2.0) <= 0.02, (key, ratio)  # within 1% of 2 Psi
         else:

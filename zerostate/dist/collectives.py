@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from zerostate.dist import shm
 from zerostate.errors import ConfigError, DistributedMismatchError
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -198,6 +198,11 @@ def all_reduce(
 ) -> Handle:
     """In-place all-reduce (``op`` is ``"sum"`` or ``"max"``)."""
     _count(stats, "all_reduce", 2 * tensor.numel(), tensor)
+    transport = _transport(tensor, group)
+    if transport is not None:
+        with torch.no_grad():  # a buffer or a parameter's data: as a gloo call takes it
+            transport.all_reduce(tensor, op)
+        return Handle(None)
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
 
@@ -256,6 +261,14 @@ def _segmented(
     # all-gather: that is what [Note: comm accounting] counts.
     full = input if kind == "reduce_scatter" else output
     _count(stats, kind, full.numel(), full)
+    transport = _transport(full, group)
+    if transport is not None:
+        with torch.no_grad():
+            if kind == "reduce_scatter":
+                transport.reduce_scatter(output, input)
+            else:
+                transport.all_gather(output, input)
+        return Handle(None)
     if _by_segment(full, group):
         handle = Handle(_by_segments(kind, output, input, group))
         if not async_op:
@@ -297,6 +310,79 @@ def _by_segments(kind: str, output: torch.Tensor, input: torch.Tensor, group: An
     return _Works(works)
 
 
+# -- the shared-memory transport ([Note: shared-memory transport] in zerostate.dist.shm) ----
+#: id(process group) -> (the group, its transport or None): the group is kept so that its
+#: id cannot be reused while the entry exists.
+_TRANSPORTS: dict[int, tuple[Any, shm.Transport | None]] = {}
+
+
+def _transport(tensor: torch.Tensor, group: Any) -> shm.Transport | None:
+    """The group's shared-memory transport when it suits a collective of ``tensor`` (its
+    full size), else None (gloo, or another backend). Collective on first use."""
+    if not shm.eligible(tensor):
+        return None
+    transport = _group_transport(group)
+    if transport is None:
+        return None
+    return transport if transport.reserve(tensor.numel() * tensor.element_size()) else None
+
+
+def _group_transport(group: Any) -> shm.Transport | None:
+    pg = dist.group.WORLD if group is None else group
+    entry = _TRANSPORTS.get(id(pg))
+    if entry is not None and entry[0] is pg:
+        return entry[1]
+    for key, (old, _) in list(_TRANSPORTS.items()):
+        if not _registered(old):  # destroyed since: let its mappings go
+            del _TRANSPORTS[key]
+    transport = _new_transport(pg)
+    _TRANSPORTS[id(pg)] = (pg, transport)
+    return transport
+
+
+def shared_memory_bytes() -> tuple[int, int]:
+    """Bytes of this process's own shared-memory segments, and of the other ranks'
+    segments it maps, over its live groups ([Note: shared-memory transport])."""
+    own = peers = 0
+    for pg, transport in _TRANSPORTS.values():
+        if transport is not None and _registered(pg):
+            mine, theirs = transport.nbytes()
+            own, peers = own + mine, peers + theirs
+    return own, peers
+
+
+def _registered(pg: Any) -> bool:
+    try:
+        return pg in dist.distributed_c10d._world.pg_map
+    except (AttributeError, TypeError):
+        return True
+
+
+def _new_transport(pg: Any) -> shm.Transport | None:
+    # Decided from what every rank shares (the backend, the world size), then agreed.
+    if "gloo" not in str(dist.get_backend(pg)):
+        return None
+    rank, world = pg.rank(), pg.size()
+    if world < 2:
+        return None
+    mine = torch.tensor([int(shm.enabled()), shm.new_token()], dtype=torch.int64)
+    rows = torch.empty(2 * world, dtype=torch.int64)
+    _all_gather_single(rows, mine, group=pg)
+    table = rows.view(world, 2).tolist()
+    if not all(row[0] for row in table):
+        return None
+
+    def barrier() -> None:
+        dist.barrier(group=pg)
+
+    def all_ok(ok: bool) -> bool:
+        failed = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        dist.all_reduce(failed, group=pg)
+        return int(failed.item()) == 0
+
+    return shm.Transport(rank, world, table[0][1], barrier, all_ok)
+
+
 def _global_rank(group: Any, rank: int) -> int:
     # torch < 2.6 takes a rooted collective's root as a global rank only.
     return rank if group is None else dist.get_global_rank(group, rank)
@@ -320,8 +406,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, **options: Any) -> Han
 
 def gathers_in_place(tensor: torch.Tensor, group: Any) -> bool:
     """Whether :func:`all_gather_in_place` suits ``group`` for tensors like ``tensor``: a
-    backend that runs an all-gather as rooted collectives anyway ([Note: gloo segments])."""
-    return _by_segment(tensor, group)
+    backend that runs an all-gather as rooted collectives anyway ([Note: gloo segments]),
+    unless the group's collectives go through shared memory ([Note: shared-memory
+    transport]), where one packed all-gather is a few copies."""
+    return _by_segment(tensor, group) and _group_transport(group) is None
 
 
 def all_gather_in_place(
@@ -401,7 +489,7 @@ def barrier(*, group: Any) -> None:
         dist.barrier(group=group)
 
 
-def _digest(obj: Any) -> int:
+def digest(obj: Any) -> int:
     raw = hashlib.sha256(repr(obj).encode()).digest()
     return int.from_bytes(raw[:8], "little", signed=True)
 
@@ -439,7 +527,7 @@ def check_agreement(
     rank re-raises its own error, the others raise :class:`DistributedMismatchError`.
     """
     names = list(aspects)
-    row = [1 if local_error is not None else 0] + [_digest(aspects[n]) for n in names]
+    row = [1 if local_error is not None else 0] + [digest(aspects[n]) for n in names]
     table = exchange(row, group=group, world_size=world_size, device=device)
     failed = [r for r, t in enumerate(table) if t[0]]
     if local_error is not None:
@@ -459,147 +547,26 @@ def check_agreement(
             )
 
 
-# -- arrival and agreement ---------------------------------------------------------------
-# [Note: arrival deadline]
-# A collective call (save, load, full_state_dict) entered by only some ranks would block
-# them inside the first torch collective until the process group's timeout (30 minutes by
-# default, and NCCL may never return). So each such call first announces itself in the
-# process group's key-value store (the TCPStore torchrun and init_process_group set up),
-# outside the group's collectives, and waits for every rank's announcement with a
-# deadline. Each rank also counts itself in (an atomic add); the last one in sets the
-# verdict "ok", the others block in the store (wait, no polling) until a verdict exists or
-# their deadline passes, when they set it to the list of ranks still missing. The verdict
-# is decided once (compare_set keeps the first one written), and every rank abides
-# by the stored verdict, so a rank arriving just after another gave up fails too instead of
-# entering a collective alone. Calls are numbered per group on each rank; a rank that never
-# entered one call fails its next call against the stale verdict, which puts the numbering
-# back in step. Each rank names its call, so ranks in different calls (one in save, one in
-# load) fail with a message naming both.
-#
-# The store lives in one process: rank 0 under a plain init_process_group, the agent under
-# torchrun. When nothing collective follows the call (full_state_dict at stage 0, a script
-# that ends right after), rank 0 could read the verdict, return, and exit, taking the store
-# with it while another rank still reads. So every rank counts itself out once it has read
-# all it needs, the last one out says so, and rank 0 waits (bounded) for that word.
-
-_ARRIVALS: dict[tuple[int, ...], int] = {}
-
-
-def _kv_store() -> Any:
+# -- the key-value store ([Note: arrival deadline] in zerostate.dist.arrival) --------------
+def kv_store() -> Any:
+    """The process group's key-value store (TCPStore), or None where there is none."""
     try:
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
 
 
-def _group_ranks(group: Any, world_size: int) -> tuple[int, ...]:
+def group_ranks(group: Any, world_size: int) -> tuple[int, ...]:
+    """The global ranks of ``group`` (every rank for the default group)."""
     if group is None:
         return tuple(range(world_size))
     return tuple(dist.get_process_group_ranks(group))
 
 
-def arrive(what: str, *, group: Any, rank: int, world_size: int, timeout_s: float) -> None:
-    """Wait until every rank of ``group`` entered call ``what``; see [Note: arrival deadline].
-
-    Raises :class:`~zerostate.errors.CollectiveTimeoutError` on every rank that entered
-    when some rank did not within ``timeout_s`` seconds, and
-    :class:`~zerostate.errors.DistributedMismatchError` when ranks entered different calls.
-    """
-    from zerostate.errors import CollectiveTimeoutError
-
-    store = _kv_store() if is_initialized() else None
-    if store is None:
-        return
-    ranks = _group_ranks(group, world_size)
-    seq = _ARRIVALS.get(ranks, 0) + 1
-    _ARRIVALS[ranks] = seq
-    base = f"zerostate/arrive/{_digest(ranks) & 0xFFFFFFFF:08x}"
-    prefix = f"{base}/{seq}"
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    try:
-        store.set(keys[rank], what)
-        verdict = _await_verdict(store, keys, prefix, world_size, timeout_s)
-        calls = [c.decode() for c in store.multi_get(keys)] if verdict == "ok" else []
-        _forget(store, f"{base}/{seq - 2}", rank)
-        if verdict == "ok":  # a missing rank may never come: rank 0 must not wait for it
-            _leave(store, prefix, rank, world_size, timeout_s)
-    except NotImplementedError:
-        return  # a store without compare_set: the collectives themselves will have to do
-    except _NETWORK_ERROR as exc:
-        raise CollectiveTimeoutError(
-            f"{what}: lost the process group's key-value store while waiting for the other "
-            f"ranks ({exc}); the process hosting it (torchrun's agent, or rank 0 of a plain "
-            "init_process_group) has probably exited, see its error"
-        ) from None
-    if verdict == "ok":
-        differ = {r: c for r, c in enumerate(calls) if c != what}
-        if differ:
-            raise DistributedMismatchError(
-                f"rank {rank} called {what} while rank(s) {sorted(differ)} called "
-                f"{sorted(set(differ.values()))}; every rank must make the same collective "
-                "calls in the same order"
-            )
-        return
-    missing = verdict.removeprefix("missing:")
-    raise CollectiveTimeoutError(
-        f"{what} is collective, but rank(s) {missing} of {world_size} did not enter it within "
-        f"{timeout_s:g} s (rank {rank} did); call it on every rank (not under `if rank == "
-        "0:`), or raise collective_timeout_s if those ranks are just slow"
-    )
-
-
-_NETWORK_ERROR = getattr(dist, "DistNetworkError", ConnectionError)
+#: What losing the store raises.
+NETWORK_ERROR = getattr(dist, "DistNetworkError", ConnectionError)
 #: What a store's ``wait`` raises at its deadline (a plain RuntimeError in older torch).
-_WAIT_TIMEOUT = getattr(dist, "DistStoreError", RuntimeError)
-
-
-def _wait(store: Any, key: str, timeout_s: float) -> bool:
-    """Block in the store until ``key`` exists (no polling); False at the deadline."""
-    try:
-        store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
-    except _NETWORK_ERROR:
-        raise
-    except _WAIT_TIMEOUT:
-        return False
-    return True
-
-
-def _await_verdict(
-    store: Any, keys: list[str], prefix: str, world_size: int, timeout_s: float
-) -> str:
-    # The last rank to count itself in decides "ok"; the others block on the verdict key.
-    # compare_set keeps whichever verdict came first: a rank arriving after the others
-    # gave up reads their "missing" verdict, never overwrites it.
-    verdict_key = f"{prefix}/verdict"
-    if store.add(f"{prefix}/count", 1) >= world_size:
-        return store.compare_set(verdict_key, "", "ok").decode()
-    if _wait(store, verdict_key, timeout_s):
-        return store.get(verdict_key).decode()
-    missing = ",".join(str(r) for r, k in enumerate(keys) if not store.check([k]))
-    return store.compare_set(verdict_key, "", f"missing:{missing}").decode()
-
-
-def _forget(store: Any, old_prefix: str, rank: int) -> None:
-    # Every rank has left call seq - 2 once anyone passed call seq - 1's verdict.
-    try:
-        store.delete_key(f"{old_prefix}/{rank}")
-        if rank == 0:
-            for name in ("verdict", "count", "left", "all-left"):
-                store.delete_key(f"{old_prefix}/{name}")
-    except (RuntimeError, NotImplementedError):
-        pass
-
-
-def _leave(store: Any, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
-    # See [Note: arrival deadline]: the last store access of every rank but 0 is this add
-    # (and, for the last one out, the set that wakes rank 0); rank 0, which may host the
-    # store, returns only once all are out, or a rank died in between, which the bounded
-    # wait tolerates: the call's verdict is already agreed.
-    if store.add(f"{prefix}/left", 1) >= world_size:
-        store.set(f"{prefix}/all-left", "1")
-        return
-    if rank == 0:
-        _wait(store, f"{prefix}/all-left", min(timeout_s, 30.0))
+WAIT_TIMEOUT = getattr(dist, "DistStoreError", RuntimeError)
 
 
 def agree(
@@ -685,5 +652,7 @@ def scatter_objects(objs: list[Any] | None, *, group: Any, rank: int) -> Any:
     if not is_initialized():
         return objs[0] if objs else None
     out: list[Any] = [None]
-    dist.scatter_object_list(out, objs if rank == 0 else None, src=_global_rank(group, 0), group=group)
+    dist.scatter_object_list(
+        out, objs if rank == 0 else None, src=_global_rank(group, 0), group=group
+    )
     return out[0]

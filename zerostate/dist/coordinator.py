@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zerostate.dist import collectives
+from zerostate.dist import arrival, collectives
 from zerostate.dist.collectives import CommStats
 from zerostate.errors import ZerostateError
 
@@ -63,8 +63,8 @@ class Coordinator:
 
     def arrive(self, what: str) -> None:
         """Wait until every rank entered call ``what`` ([Note: arrival deadline] in
-        zerostate.dist.collectives)."""
-        collectives.arrive(
+        zerostate.dist.arrival)."""
+        arrival.arrive(
             what,
             group=self.group,
             rank=self.rank,

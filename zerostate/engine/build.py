@@ -3,7 +3,7 @@ and the verdict they agree on.
 
 :func:`check_setup` builds the :class:`~zerostate.engine.config.EngineConfig`, checks the
 model, the optimizer, the device mesh and the tp plan, and agrees over the ranks on the
-verdict and on the model's aspects ([Note: arrival deadline] in zerostate.dist.collectives), so
+verdict and on the model's aspects ([Note: arrival deadline] in zerostate.dist.arrival), so
 that every rank raises the same error, or none does, before the engine touches the model.
 """
 

@@ -263,7 +263,7 @@ class Engine:
     forward = __call__
 
     def _arrive(self, what: str) -> None:
-        """See [Note: arrival deadline] in zerostate.dist.collectives."""
+        """See [Note: arrival deadline] in zerostate.dist.arrival."""
         self.coordinator.arrive(what)
 
     @property

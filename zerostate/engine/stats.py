@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from zerostate.dist import collectives
 from zerostate.dist.collectives import CommStats
 from zerostate.dist.comm import BufferPool, CommContext
 from zerostate.errors import ConfigError
@@ -30,7 +31,10 @@ def memory_stats(
     ZeRO paper. Beside it, every working buffer by name: ``gathered_params`` (stage 3:
     storage of the units gathered right now, at most the one computing and the one
     prefetched), ``comm_buffers`` (the pooled pack / gather buffers of the collectives
-    in flight, at most two per kind, reused every step); ``buffers_in_flight`` is their
+    in flight, at most two per kind, reused every step, and this process's segments of the
+    shared-memory transport, [Note: shared-memory transport] in zerostate.dist.shm);
+    ``peer_segments`` (the other ranks' segments that transport maps here: their memory,
+    counted by them, not in ``total``); ``buffers_in_flight`` is their
     sum and ``total`` adds it to ``model_states``. Storage shared
     by the master and the working copy (fp32) is counted once, as params. ``grads``
     counts what the reduce precision costs (docs/engine.md, "Precision"): fp32
@@ -56,7 +60,8 @@ def memory_stats(
     master = sum(nbytes(sp.master) for sp in sharded if not sp.master_aliased)
     optim = optimizer.state_bytes()
     gathered = held["gathered_params"]
-    comm = pool.allocated_bytes
+    own_segments, peer_segments = collectives.shared_memory_bytes()
+    comm = pool.allocated_bytes + own_segments
     staging = host_tier.staging_bytes() if host_tier is not None else 0
     model_states = params + grads + master + optim
     total = model_states + gathered + comm + staging
@@ -74,6 +79,7 @@ def memory_stats(
         "model_states": model_states,
         "gathered_params": gathered,
         "comm_buffers": comm,
+        "peer_segments": peer_segments,
         "buffers_in_flight": gathered + comm,
         "host_grads": staging,
         "total": total,
