@@ -248,3 +248,22 @@ def test_dcp_plan_scale_runs():
         assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in row.values()), row
         assert row["commit_record_MB"] > 0 and row["read_metadata_s"] > 0, row
     assert rows[1]["largest_rank_plan_kB"] < 1.25 * rows[0]["largest_rank_plan_kB"], rows
+
+
+@pytest.mark.timeout(300)
+def test_shm_ab_runs():
+    """benchmarks/shm_ab.py at 2 ranks, stage 1: the engine on shared memory, on gloo and
+    ZeroRedundancyOptimizer each timed in the one job, and their ratios finite."""
+    from ports import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), "-m", "benchmarks.shm_ab", "--stage", "1",
+           "--model", "mlp", "--steps", "2", "--warmup", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, proc.stdout  # rank 0 prints
+    row = rows[0]
+    for key in ("zerostate, shared memory", "zerostate, gloo", "zero1opt", "shared / gloo",
+                "shared / zero1opt", "gloo / zero1opt"):  # fmt: skip
+        assert math.isfinite(row[key]) and row[key] > 0, (key, row)

@@ -9,7 +9,8 @@ training (the gradient all-reduce of stage 0, the reduce-scatter and all-gather 
 segment of its own in ``/dev/shm`` and maps every other rank's, so a collective is a few
 memory copies and one or two barriers. Measured on 2 shared cores, a 3.3M-element fp32
 all-reduce (GPT-2 small's gradients): 2 ranks 14.0 ms with gloo, 7.2 ms here; 4 ranks
-31-36 ms, 14-16 ms (medians of 15; benchmarks/README.md has the step rows).
+31-36 ms, 14-16 ms (medians of 15). Whole training steps, interleaved with the same
+engine on gloo (``benchmarks/shm_ab.py``): docs/benchmarks/profile.md.
 
 - *Who uses it.* :mod:`zerostate.dist.collectives` decides per call, from what every rank
   of the call has in common (the group, the tensor's device, dtype and size), so all ranks
