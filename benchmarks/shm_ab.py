@@ -29,7 +29,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0)
-    parser.add_argument("--model", choices=["small", "mlp"], default="small")
+    parser.add_argument(
+        "--model",
+        choices=["small", "mlp", "llama"],
+        default="small",
+        help="llama: a transformers Llama from a config of odd shapes, engine defaults",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
@@ -44,17 +49,19 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ[shm.ENV] = "1"
     mlp = MLP if args.model == "mlp" else None
     micro = 16 if args.model == "mlp" else 8
-    data = batches(args.model, rank, micro, 64, 2, torch.device("cpu"), mlp)
+    data = batches("small" if args.model == "llama" else args.model, rank, micro, 64, 2,
+                   torch.device("cpu"), mlp)  # fmt: skip
+
+    def model():
+        if args.model == "llama":
+            return _llama()
+        return build_model(args.model, torch.device("cpu"), mlp)
 
     def engine_step(group):
-        engine = zerostate.Engine(
-            build_model(args.model, torch.device("cpu"), mlp),
-            stage=args.stage,
-            lr=LR,
-            weight_decay=WEIGHT_DECAY,
-            no_decay=lambda name, p: False,
-            group=group,
-        )
+        settings = {} if args.model == "llama" else dict(
+            lr=LR, weight_decay=WEIGHT_DECAY, no_decay=lambda name, p: False
+        )  # fmt: skip
+        engine = zerostate.Engine(model(), stage=args.stage, group=group, **settings)
 
         def step(x, y):
             engine.backward(engine(x, y))
@@ -71,9 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(
-            build_model(args.model, torch.device("cpu"), mlp), process_group=peer_group
-        )
+        ddp = DistributedDataParallel(model(), process_group=peer_group)
         if peer == "ddp":
             opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         else:
@@ -114,6 +119,30 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(out))
     dist.destroy_process_group()
     return out
+
+
+def _llama():
+    """A transformers Llama from a config the step row was not tuned on: odd widths,
+    grouped-query attention, an untied odd vocabulary; ``forward(x, y)`` gives the loss."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    config = LlamaConfig(vocab_size=1003, hidden_size=200, intermediate_size=536,
+                         num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=1,
+                         max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+    lm = LlamaForCausalLM(config)
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, x, y):
+            logits = self.lm(input_ids=x).logits
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    return Loss()
 
 
 if __name__ == "__main__":
