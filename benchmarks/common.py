@@ -74,6 +74,21 @@ def _env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
+def gloo_job(parser: Any, argv: list[str] | None, *, steps: int) -> tuple[Any, int, int]:
+    """A torchrun benchmark script's start: ``--steps`` and ``--warmup`` added to
+    ``parser``, arguments parsed, one intra-op thread, the gloo group; ``(args, rank,
+    world)``."""
+    import torch
+    import torch.distributed as dist
+
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return args, dist.get_rank(), dist.get_world_size()
+
+
 def cuda_available() -> bool:
     if os.environ.get("ZS_BENCH_CPU"):
         return False

@@ -20,19 +20,14 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.common import MLP
+    from benchmarks.common import MLP, gloo_job
     from benchmarks.contenders import CONTENDERS, Ctx, batches, build_model, make
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     names = sorted(n for n in CONTENDERS if n.startswith("zs") or n in ("ddp", "zero1opt"))
     parser.add_argument("--contender", choices=names, required=True)
     parser.add_argument("--model", choices=["small", "mlp"], default="small")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args, rank, world = gloo_job(parser, argv, steps=12)
     ctx = Ctx(rank=rank, world=world, device=torch.device("cpu"), cuda=False)
     model = build_model(args.model, ctx.device, MLP if args.model == "mlp" else None)
     micro = 16 if args.model == "mlp" else 8

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch.distributed as dist
 
     import zerostate
-    from benchmarks.common import LR, MLP, WEIGHT_DECAY
+    from benchmarks.common import LR, MLP, WEIGHT_DECAY, gloo_job
     from benchmarks.contenders import batches, build_model
     from zerostate.dist import collectives, shm
 
@@ -35,12 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
         default="small",
         help="llama: a transformers Llama from a config of odd shapes, engine defaults",
     )
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    args, rank, world = gloo_job(parser, argv, steps=20)
     on_gloo = dist.new_group(backend="gloo")
     peer_group = dist.new_group(backend="gloo")
     # The transport of a group is decided at its first large collective, from the switch.

@@ -200,8 +200,7 @@ def all_reduce(
     _count(stats, "all_reduce", 2 * tensor.numel(), tensor)
     transport = _transport(tensor, group)
     if transport is not None:
-        with torch.no_grad():  # a buffer or a parameter's data: as a gloo call takes it
-            transport.all_reduce(tensor, op)
+        transport.all_reduce(tensor, op)
         return Handle(None)
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     return Handle(dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op))
@@ -263,11 +262,10 @@ def _segmented(
     _count(stats, kind, full.numel(), full)
     transport = _transport(full, group)
     if transport is not None:
-        with torch.no_grad():
-            if kind == "reduce_scatter":
-                transport.reduce_scatter(output, input)
-            else:
-                transport.all_gather(output, input)
+        if kind == "reduce_scatter":
+            transport.reduce_scatter(output, input)
+        else:
+            transport.all_gather(output, input)
         return Handle(None)
     if _by_segment(full, group):
         handle = Handle(_by_segments(kind, output, input, group))

@@ -174,6 +174,7 @@ class Transport:
         return [seg[start : start + nbytes].view(dtype) for seg in self.segments]
 
     # -- collectives ---------------------------------------------------------------------
+    @torch.no_grad()  # a buffer or a parameter's data, as gloo takes it
     def all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         """``tensor`` summed (or maxed) over the group, in place."""
         n = tensor.numel()
@@ -201,6 +202,7 @@ class Transport:
         if flat is None:
             tensor.copy_(mine.view(tensor.shape))
 
+    @torch.no_grad()  # a buffer or a parameter's data, as gloo takes it
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Sum ``input`` (``world`` equal segments) over the group into ``output``, this
         rank's segment."""
@@ -217,6 +219,7 @@ class Transport:
         if out.data_ptr() != output.data_ptr() or not output.is_contiguous():
             output.copy_(out.view(output.shape))
 
+    @torch.no_grad()  # a buffer or a parameter's data, as gloo takes it
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Every rank's ``input`` into ``output`` (``world`` segments), in rank order."""
         m = input.numel()
