@@ -130,12 +130,15 @@ def _disk_bound(state: dict, path: Path) -> None:
     [Note: the benchmark's bounds]
     A ratio against a peer says nothing of how far either is from what the machine allows,
     so the report times two bounds in the same rounds. ``disk_bound`` is the durable write
-    with nothing else: on this machine's virtual disk (2 cores, ext4) it ran at 300-340 MiB/s
-    for 2 ranks, the speed ``FileSystemWriter`` and ours already save at, so no writer that
-    fsyncs its bytes can save this state 1.5x faster than ``FileSystemWriter`` here.
-    ``no_read_floor`` is ``dcp.load`` with nothing read: DCP's own metadata read, planning
-    and collectives, which any ``StorageReader`` pays as well; its share of
-    ``FileSystemReader``'s whole load is the lowest ratio a reader could reach."""
+    with nothing else. On this project's 2-core virtual machine (ext4) it saved the GPT-2
+    ``io`` state at 2 ranks at 1.9-2.0x ``FileSystemWriter``'s throughput (three runs of
+    3-5 rounds), so the disk leaves room for a faster writer; ours and DCP's spend the
+    difference mostly in the kernel, taking page-cache pages from free memory ([Note:
+    direct writes] in zerostate/store/local.py). ``no_read_floor`` is ``dcp.load`` with
+    nothing read: DCP's own metadata read, planning and collectives, which any
+    ``StorageReader`` pays as well. Its median was 0.28-0.61 of ``FileSystemReader``'s
+    whole layout-changing load in the same three runs (single rounds 0.07-0.42 s), so a
+    reader at 0.3x DCP's load is at or below DCP's floor on this machine."""
     path.mkdir(parents=True, exist_ok=True)
     views = []
     for value in _tensors(state):

@@ -1,6 +1,6 @@
-"""Large objects on local disk are written past the page cache ([Note: direct writes] in
-zerostate/store/local.py): every byte lands, the file has its exact size, and a filesystem
-without direct I/O gets the page-cache write instead."""
+"""Large objects on local disk written past the page cache when asked ([Note: direct
+writes] in zerostate/store/local.py): every byte lands, the file has its exact size, and a
+filesystem without direct I/O gets the page-cache write instead."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def _parts(rng: random.Random, total: int) -> list[bytes]:
 def direct_flags(monkeypatch):
     """Every object written directly; the flags of each open are recorded."""
     monkeypatch.setattr(local, "DIRECT_MIN_NBYTES", 0)
+    monkeypatch.setenv(local.DIRECT_WRITES_ENV, "1")
     seen: list[int] = []
     real_open = os.open
 
@@ -58,6 +59,7 @@ def test_a_direct_write_holds_every_byte_at_its_size(tmp_path, direct_flags, siz
 
 def test_a_filesystem_without_direct_io_gets_page_cache_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(local, "DIRECT_MIN_NBYTES", 0)
+    monkeypatch.setenv(local.DIRECT_WRITES_ENV, "1")
     real_open = os.open
 
     def no_direct(path, flags, *args):
@@ -99,12 +101,14 @@ def test_a_refused_direct_write(tmp_path, direct_flags, monkeypatch, at_block):
         assert not (tmp_path / "obj").exists()
 
 
-def test_the_environment_turns_direct_writes_off(tmp_path, monkeypatch):
-    monkeypatch.setenv(local.DIRECT_WRITES_ENV, "0")
+def test_direct_writes_are_off_unless_asked(tmp_path, monkeypatch):
+    monkeypatch.delenv(local.DIRECT_WRITES_ENV, raising=False)
     assert not LocalStorage(str(tmp_path)).direct_writes
-    monkeypatch.delenv(local.DIRECT_WRITES_ENV)
+    monkeypatch.setenv(local.DIRECT_WRITES_ENV, "1")
     assert LocalStorage(str(tmp_path)).direct_writes
     assert not LocalStorage(str(tmp_path), direct_writes=False).direct_writes
+    monkeypatch.setenv(local.DIRECT_WRITES_ENV, "0")
+    assert LocalStorage(str(tmp_path), direct_writes=True).direct_writes
 
 
 def test_a_step_written_directly_loads_every_checked_byte(tmp_path, direct_flags):

@@ -30,7 +30,7 @@ DIRECT_MIN_NBYTES = 16 << 20
 #: Bytes of the aligned buffer a direct write goes through, and the alignment it keeps.
 _DIRECT_BLOCK = 4 << 20
 _DIRECT_ALIGN = 4096
-#: ``0`` turns direct writes off (every object through the page cache, as small ones go).
+#: ``1`` turns direct writes on (off by default: every object through the page cache).
 DIRECT_WRITES_ENV = "ZEROSTATE_DIRECT_WRITES"
 
 
@@ -44,16 +44,18 @@ class LocalStorage(Storage):
     reads_ahead = True
     reads_locally = True
 
-    def __init__(self, root: str, *, direct_writes: bool = True) -> None:
+    def __init__(self, root: str, *, direct_writes: bool | None = None) -> None:
         root = os.path.abspath(os.path.expanduser(root.removeprefix("file://")))
         super().__init__(root)
         self.root = root
         self._lock = threading.Lock()
         self._dirty_dirs: set[str] = set()
         self._real_root_cache: str | None = None
-        #: Large objects past the page cache ([Note: direct writes]); off once the
-        #: filesystem refused it, and where the root is memory (the memory tier).
-        self.direct_writes = direct_writes and os.environ.get(DIRECT_WRITES_ENV, "1") != "0"
+        #: Large objects past the page cache ([Note: direct writes]): asked for with
+        #: ``ZEROSTATE_DIRECT_WRITES=1`` (None) or here; off once the filesystem refused it.
+        if direct_writes is None:
+            direct_writes = os.environ.get(DIRECT_WRITES_ENV, "0") == "1"
+        self.direct_writes = bool(direct_writes)
         self._direct_buffers = threading.local()
 
     def _abs(self, path: str) -> str:
@@ -192,21 +194,24 @@ class LocalStorage(Storage):
         for this storage.
 
         [Note: direct writes]
-        A large object is copied block by block into an aligned buffer of this thread's
-        and written from it with ``O_DIRECT``: the bytes go from the buffer to the disk,
-        not into page-cache pages. Through the page cache a save first takes those pages
-        from free memory, and on this project's 2-core virtual machine that cost more than
-        the disk: two processes each writing 147 MB and fsyncing took 0.19-0.26 s when
-        their pages were memory the guest had used before and 0.41-0.81 s when they were
-        not, most of it CPU time in the kernel (0.47-0.65 s), while the same writes with
-        ``O_DIRECT`` took 0.17-0.18 s every time with 0.025-0.03 s of CPU (three rounds
-        each, alternating). A save's CPU time is taken from training when it runs in the
-        background. The object's last partial block is written padded to the alignment
-        and the file cut back to its size before the fsync, which makes the size and the
-        blocks durable together. The cost: a load right after a save reads from the disk,
-        not from memory (``ZEROSTATE_DIRECT_WRITES=0`` keeps every write in the page cache,
-        as objects under ``DIRECT_MIN_NBYTES`` always are). Objects in memory (the memory
-        tier's directory) are never written this way."""
+        With ``ZEROSTATE_DIRECT_WRITES=1`` (or ``LocalStorage(direct_writes=True)``) a large
+        object is copied block by block into an aligned buffer of this thread's and written
+        from it with ``O_DIRECT``: the bytes go from the buffer to the disk, not into
+        page-cache pages. The object's last partial block is written padded to the
+        alignment and the file cut back to its size before the fsync, which makes the size
+        and the blocks durable together.
+        Why it exists: through the page cache a save first takes pages from free memory,
+        and on this project's 2-core virtual machine that can cost more than the disk. Two
+        processes each writing 147 MB and fsyncing took 0.19-0.26 s when their pages were
+        memory the guest had used before and 0.41-0.81 s when they were not (0.47-0.65 s of
+        it CPU time in the kernel); with ``O_DIRECT`` 0.17-0.18 s every time, with
+        0.025-0.03 s of CPU (three rounds each, alternating). Why it is off by default:
+        a read right after the save (a load, ``verify``, ``consolidate`` on the same
+        machine) then comes from the disk, not from memory. In the DCP report
+        (``benchmarks/dcp_plugin.py``, 2 ranks, 281 MiB, 5 rounds) it made the blocking
+        save 1.05x ``FileSystemWriter``'s throughput but the layout-changing load that
+        follows 1.37x DCP's time, against about 0.9x with page-cache writes. Objects in
+        memory (the memory tier's directory) are never written this way."""
         if not self.direct_writes or not hasattr(os, "O_DIRECT"):
             return False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
