@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-
 def uses_quick_run(test):
     """Marks of the tests that read the quick run: every row (SeaweedFS included) at tiny
     sizes, a few minutes on 2 cores."""
@@ -25,8 +25,20 @@ def uses_quick_run(test):
         test = mark(test)
     return test
 
-STEP_CONTENDERS = {"ddp", "zero1opt", "ds1", "ds2", "fsdp2_noreshard", "ds3", "fsdp2",
-                   "zs0", "zs1", "zs2", "zs3"}
+
+STEP_CONTENDERS = {
+    "ddp",
+    "zero1opt",
+    "ds1",
+    "ds2",
+    "fsdp2_noreshard",
+    "ds3",
+    "fsdp2",
+    "zs0",
+    "zs1",
+    "zs2",
+    "zs3",
+}
 
 
 def test_bench_extra_installed():
@@ -47,11 +59,29 @@ def quick_run(tmp_path_factory):
     done = out / "run.json"
     if not done.exists():
         out.mkdir(exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out),
-                               "--dir", str(out), "--timeout", "400"],
-                              cwd=REPO, capture_output=True, text=True, timeout=1400)
-        done.write_text(json.dumps({"returncode": proc.returncode, "stdout": proc.stdout,
-                                    "stderr": proc.stderr}))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks",
+                "--quick",
+                "--out",
+                str(out),
+                "--dir",
+                str(out),
+                "--timeout",
+                "400",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=1400,
+        )
+        done.write_text(
+            json.dumps(
+                {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+            )
+        )
     run = json.loads(done.read_text())
     proc = subprocess.CompletedProcess([], run["returncode"], run["stdout"], run["stderr"])
     report_file = out / "latest.json"
@@ -66,14 +96,27 @@ def _finite(v: object) -> bool:
 @uses_quick_run
 def test_every_contender_ran(quick_run):
     proc, report, _ = quick_run
-    failed = [f"{s['key']}/{r['contender']}: {r['error']}"
-              for s in report["sections"] for r in s["rows"] if not r["ok"]]
+    failed = [
+        f"{s['key']}/{r['contender']}: {r['error']}"
+        for s in report["sections"]
+        for r in s["rows"]
+        if not r["ok"]
+    ]
     assert not failed, failed
     assert not report["failed_sections"], report["failed_sections"]
     assert proc.returncode == 0, proc.stderr[-4000:]
     keys = [s["key"] for s in report["sections"]]
-    assert keys == ["step", "step_mlp", "save", "async", "load", "consolidate", "s3", "mesh",
-                    "layout"]
+    assert keys == [
+        "step",
+        "step_mlp",
+        "save",
+        "async",
+        "load",
+        "consolidate",
+        "s3",
+        "mesh",
+        "layout",
+    ]
     step = next(s for s in report["sections"] if s["key"] == "step")
     assert {r["contender"] for r in step["rows"]} == STEP_CONTENDERS
 
@@ -143,8 +186,7 @@ def test_mesh_benchmark_runs_on_cpu(quick_run):
     assert "(dp_shard 2 x tp 2) on 4 ranks" in mesh["title"], mesh["title"]
     assert "4 gloo ranks" in mesh["setup"] and "fp32" in mesh["setup"], mesh["setup"]
     rows = {r["name"]: r for r in mesh["rows"]}
-    assert set(rows) == {"fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa",
-                         "zerostate_stage3"}
+    assert set(rows) == {"fsdp2_tp", "fsdp2_tp_ac", "zerostate", "zerostate_pa", "zerostate_stage3"}
     for name, row in rows.items():
         assert row["ok"], (name, row["error"])
         assert row["values"]["step_ms"] > 0 and "peak_device_mb" not in row["values"], row
@@ -169,14 +211,22 @@ def test_a_row_under_torchrun(tmp_path, quick_run):
     assert [r["ok"] for r in rows] == [True, True], rows
     firsts = [r["values"]["loss_first"] for r in rows]
     assert abs(firsts[0] - firsts[1]) < 1e-4 and all(
-        r["values"]["loss_last"] < r["values"]["loss_first"] for r in rows), rows
+        r["values"]["loss_last"] < r["values"]["loss_first"] for r in rows
+    ), rows
 
 
 def _report(value: float, ok: bool = True) -> dict:
     row = {"contender": "c", "ok": ok, "error": None if ok else "boom", "values": {"s": value}}
-    return {"sections": [{"key": "save", "rows": [row],
-                          "ratios": [{"label": "r", "value": value, "target": None}]}],
-            "failed_sections": []}
+    return {
+        "sections": [
+            {
+                "key": "save",
+                "rows": [row],
+                "ratios": [{"label": "r", "value": value, "target": None}],
+            }
+        ],
+        "failed_sections": [],
+    }
 
 
 def test_problems_catch_failed_and_non_finite():
@@ -267,3 +317,24 @@ def test_shm_ab_runs():
     for key in ("zerostate, shared memory", "zerostate, gloo", "zero1opt", "shared / gloo",
                 "shared / zero1opt", "gloo / zero1opt"):  # fmt: skip
         assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+
+
+@pytest.mark.timeout(300)
+def test_dcp_plugin_runs_with_its_bounds(tmp_path):
+    """benchmarks/dcp_plugin.py at 2 ranks on the tiny preset: every contender and both bounds
+    timed in the round, and every ratio finite and positive."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "-m", "benchmarks.dcp_plugin", "--dir", str(tmp_path / "run"), "--rounds", "1",
+           "--preset", "tiny"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{\n") :])
+    assert {"ours", "dcp", "disk_bound"} <= set(out["save_s"]), out
+    assert set(out["layout_changing_load_s"]) == {"ours", "dcp", "no_read_floor"}, out
+    ratios = [out["load_ratio_ours_over_dcp"], *out["bounds"].values()]
+    ratios += out["throughput_ratio_ours_over"].values()
+    ratios += out["blocked_ratio_ours_over"].values()
+    assert len(out["bounds"]) == 3, out
+    for value in ratios:
+        assert math.isfinite(value) and value > 0, out

@@ -118,7 +118,8 @@ class MemoryTier:
             os.replace(partial, run_file)
         else:
             raise MemoryTierRefused(f"{self.path} has no {_RUN_FILE}: not a memory tier of ours")
-        self._root = CheckpointRoot(LocalStorage(self.path))
+        # In memory already: a direct write would only add a copy ([Note: direct writes]).
+        self._root = CheckpointRoot(LocalStorage(self.path, direct_writes=False))
         return self._root
 
     def _check_run_file(self, run_file: str) -> None:
