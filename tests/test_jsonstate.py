@@ -61,3 +61,45 @@ def test_bytes_like_values_that_would_not_round_trip_are_refused() -> None:
 def test_malformed_bytes_markers_are_refused(stored) -> None:
     with pytest.raises(CorruptCheckpointError):
         jsonstate.decode(stored)
+
+
+def _bits(x: float) -> bytes:
+    import struct
+
+    return struct.pack(">d", x)
+
+
+def test_infinities_and_nans_round_trip_bit_for_bit_through_strict_json() -> None:
+    """Floats JSON has no number for come back as the same eight bytes (a NaN keeps its sign
+    and payload), anywhere in a value, through the strict JSON the store writes."""
+    import struct
+
+    odd_nan = struct.unpack(">d", bytes.fromhex("fff8000000000123"))[0]
+    value = {
+        "best": float("inf"),
+        "worst": float("-inf"),
+        "nan": float("nan"),
+        "odd_nan": odd_nan,
+        "finite": [0.5, -0.0, 1e308],
+        "nested": ({"x": float("-inf")}, [float("inf")]),
+        "__zs_float__": "a user's key that looks like the marker",
+    }
+    stored = json.loads(json.dumps(jsonstate.encode(value), allow_nan=False))
+    back = jsonstate.decode(stored)
+    assert back.keys() == value.keys()
+    for key in ("best", "worst", "nan", "odd_nan"):
+        assert isinstance(back[key], float) and _bits(back[key]) == _bits(value[key]), key
+    assert back["finite"] == [0.5, -0.0, 1e308] and _bits(back["finite"][1]) == _bits(-0.0)
+    assert back["nested"][0]["x"] == float("-inf") and back["nested"][1] == [float("inf")]
+    assert back["__zs_float__"] == value["__zs_float__"]
+    assert jsonstate.encode(0.25) == 0.25  # finite floats stay JSON numbers
+
+
+@pytest.mark.parametrize(
+    "body", ["7FF0000000000000", "7ff000000000000", "xyz", 7, None, "3ff0000000000000"]
+)
+def test_malformed_float_markers_are_refused(body) -> None:
+    """Upper case, a wrong length, not hex, not text, or a finite float (stored as a number,
+    never as a marker): a damaged or hostile step."""
+    with pytest.raises(CorruptCheckpointError, match="float"):
+        jsonstate.decode({"v": {"__zs_float__": body}})

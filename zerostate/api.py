@@ -277,6 +277,12 @@ def load(
         return _load_step(translated, tiers.tier(durable.location).path, at, None, coordinator)
 
     loaded = load_tiers(tiers, durable, _check_step(step), run, _SAVES.wait)
+    # dcp.load sets a value it cannot fill in place (an int, a string, a list) in the dict
+    # it was given, which is the translated copy: put those into the caller's dict too, as
+    # dcp.load would have (a resumed loop's step counter came back unchanged before).
+    for key, value in translated.items():
+        if value is not state[key] and not isinstance(value, (_ModuleState, _OptimizerState)):
+            state[key] = value
     _ROOTS.memory(where).own = True  # resuming this run ([Note: save target])
     return loaded
 

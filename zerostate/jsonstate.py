@@ -12,7 +12,11 @@ three things a ``state_dict`` commonly holds; each is written as a one-key marke
 - raw bytes: ``{"__zs_bytes__": base64}``, and an ``io.BytesIO`` (DCP's tests and trainers
   keep a ``torch.save``-d blob in one): ``{"__zs_bytesio__": {"data": base64, "pos": n}}``,
   its contents and position, as DCP's own pickle of it keeps them. The bytes are data: they
-  come back as ``bytes`` / ``io.BytesIO``, never interpreted.
+  come back as ``bytes`` / ``io.BytesIO``, never interpreted;
+- floats JSON has no number for (infinities and NaNs, which strict JSON refuses):
+  ``{"__zs_float__": "7ff0000000000000"}``, the float's eight bytes, big-endian hex, so a NaN
+  keeps its sign and payload. ``ReduceLROnPlateau`` holds ``inf`` in its state from the
+  start (``mode_worse``), and a loop's ``best_loss`` often begins as ``inf``.
 
 Decoding validates every marker (known dtype, non-negative shape, byte count matching
 the shape) and raises :class:`~zerostate.errors.CorruptCheckpointError` otherwise, so a
@@ -24,6 +28,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import struct
 import sys
 from typing import Any
 
@@ -36,7 +41,8 @@ _TUPLE = "__zs_tuple__"
 _ITEMS = "__zs_items__"
 _BYTES = "__zs_bytes__"
 _BYTESIO = "__zs_bytesio__"
-_MARKERS = (_TENSOR, _TUPLE, _ITEMS, _BYTES, _BYTESIO)
+_FLOAT = "__zs_float__"
+_MARKERS = (_TENSOR, _TUPLE, _ITEMS, _BYTES, _BYTESIO, _FLOAT)
 #: A BytesIO's stored position is at most this (as the store's other integers).
 _MAX_POS = 1 << 62
 
@@ -55,7 +61,7 @@ def encode(value: Any, what: str = "state") -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value  # NaN and inf survive json.dumps/loads in Python
+        return value if math.isfinite(value) else {_FLOAT: struct.pack(">d", value).hex()}
     if isinstance(value, torch.Tensor):
         return {_TENSOR: _encode_tensor(value, what)}
     # Exact types: a subclass would come back as its base, which is not lossless.
@@ -125,6 +131,8 @@ def decode(value: Any, what: str = "state") -> Any:
             return _decode_base64(body, what)
         if key == _BYTESIO:
             return _decode_bytesio(body, what)
+        if key == _FLOAT:
+            return _decode_float(body, what)
         if key == _ITEMS:
             if not isinstance(body, list) or not all(
                 isinstance(p, list) and len(p) == 2 for p in body
@@ -149,6 +157,19 @@ def _decode_base64(body: Any, what: str) -> bytes:
         return base64.b64decode(body, validate=True)
     except ValueError:
         raise CorruptCheckpointError(f"{what}: stored bytes are not valid base64") from None
+
+
+def _decode_float(body: Any, what: str) -> float:
+    """A non-finite float's eight bytes; a finite one is stored as a JSON number, never so."""
+    try:
+        if not isinstance(body, str) or len(body) != 16 or body != body.lower():
+            raise ValueError
+        (value,) = struct.unpack(">d", bytes.fromhex(body))
+    except ValueError:
+        raise CorruptCheckpointError(f"{what}: malformed float in stored state") from None
+    if math.isfinite(value):
+        raise CorruptCheckpointError(f"{what}: a finite float stored as a marker")
+    return value
 
 
 def _decode_bytesio(body: Any, what: str) -> io.BytesIO:

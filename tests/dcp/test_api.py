@@ -99,3 +99,61 @@ def test_a_state_that_does_not_match_the_step_is_refused_in_one_line_naming_the_
         zerostate.load(other, root)
     assert "\n" not in str(info.value)
     assert torch.equal(wider["model"]["w"], torch.zeros(5, 4))  # nothing half-loaded into it
+
+
+def test_plain_values_of_the_state_come_back_into_the_callers_dict(tmp_path):
+    """A top-level int, float, string, bool, None, bytes, list or dict of the state is set in
+    the caller's dict, as ``dcp.load`` sets it in the dict it is given (the loop's step
+    counter used to come back unchanged); tensors are filled in place, and the module,
+    optimizer and scheduler restored through their ``load_state_dict``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    sched.step()
+    values = {"step": 7, "loss": 0.25, "note": "resume me", "done": True, "none": None,
+              "raw": b"\x00\x01", "seen": [1, "a", 2.5],
+              "data": {"epoch": 3, "order": [2, 0]}}  # fmt: skip
+    tensor = torch.arange(6, dtype=torch.int64)
+    zerostate.save({"model": model, "optim": opt, "sched": sched, "ids": tensor, **values},
+                   str(tmp_path / "root"))  # fmt: skip
+    model2 = torch.nn.Linear(5, 3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5)
+    ids = torch.zeros(6, dtype=torch.int64)
+    state = {"model": model2, "optim": opt2, "sched": sched2, "ids": ids, "step": 0,
+             "loss": 0.0, "note": "", "done": False, "none": None, "raw": b"",
+             "seen": [], "data": {"epoch": 0, "order": []}}  # fmt: skip
+    assert zerostate.load(state, str(tmp_path / "root")) == 0
+    for key, want in values.items():
+        assert state[key] == want and type(state[key]) is type(want), key
+    assert state["ids"] is ids and torch.equal(ids, tensor)
+    assert state["model"] is model2 and torch.equal(model2.weight, model.weight)
+    assert state["optim"] is opt2 and opt2.param_groups[0]["lr"] == 0.05
+    assert sched2.last_epoch == 1
+
+
+def test_a_model_left_on_the_meta_device_is_refused_naming_the_tensor(tmp_path):
+    """A model built on the meta device and never materialised: every save door refuses it in
+    one line naming the tensor, before anything is written (torch's own error was a
+    NotImplementedError about copying out of a meta tensor)."""
+    import torch.distributed.checkpoint as dcp
+
+    from zerostate.dcp import StorageWriter
+
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    doors = {
+        "save": lambda root: zerostate.save({"model": model}, root),
+        "save, not blocking": lambda root: zerostate.save({"model": model}, root, blocking=False),
+        "async_save": lambda root: dcp.async_save(
+            {"model": model.state_dict()}, storage_writer=StorageWriter(root)
+        ).result(),
+    }
+    for name, door in doors.items():
+        root = tmp_path / name.replace(" ", "_").replace(",", "")
+        with pytest.raises(ConfigError, match=r"model\.weight: a tensor on the meta device"):
+            door(str(root))
+        assert not root.exists(), name

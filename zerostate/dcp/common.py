@@ -103,6 +103,16 @@ def _check_step(step: Any) -> int | None:
     return step
 
 
+def check_has_data(tensor: torch.Tensor, fqn: str) -> None:
+    """Refuse a tensor on the meta device (a model built there and never materialised) in
+    one line naming it, before anything of the save is written."""
+    if tensor.is_meta:
+        raise ConfigError(
+            f"{fqn}: a tensor on the meta device holds no data to save; materialise the "
+            "model first (to_empty(), then initialise or load its weights)"
+        )
+
+
 def _check_fqn(fqn: Any, where: str) -> None:
     if not isinstance(fqn, str) or not fqn or len(fqn) > 4096:
         raise CorruptCheckpointError(f"{where}: key {str(fqn)[:80]!r} is not a valid state key")

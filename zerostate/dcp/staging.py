@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from zerostate.dcp.common import check_has_data
 from zerostate.errors import ConfigError
 
 __all__ = ["StagingBuffers"]
@@ -117,6 +118,7 @@ class StagingBuffers:
         from torch.distributed.tensor import DTensor
 
         local = t.to_local() if isinstance(t, DTensor) else t
+        check_has_data(local, ".".join(map(str, path)))
         if local.is_sparse or local.layout != torch.strided:
             raise ConfigError(
                 f"{'.'.join(map(str, path))}: a {local.layout} tensor cannot be staged"

@@ -28,6 +28,7 @@ from zerostate.dcp.common import (
     _GlobalPlan,
     _rank_of_caller,
     _root_text,
+    check_has_data,
 )
 from zerostate.dcp.document import RankParts, encode_value, metadata_json, plan_pieces, split_pieces
 from zerostate.dcp.staging import StagingBuffers
@@ -222,6 +223,7 @@ class StorageWriter(dcp_storage.StorageWriter):
             data = planner.resolve_data(item)
             if not isinstance(data, torch.Tensor):
                 raise ConfigError(f"{item.index.fqn}: the planner gave {type(data).__name__}")
+            check_has_data(data, item.index.fqn)
             read.append(data)
             data = data.detach()
             if tuple(data.shape) != piece.sizes or data.dtype != piece.dtype:
