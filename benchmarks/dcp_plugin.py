@@ -137,7 +137,7 @@ def _disk_bound(state: dict, path: Path) -> None:
     direct writes] in zerostate/store/local.py). ``no_read_floor`` is ``dcp.load`` with
     nothing read: DCP's own metadata read, planning and collectives, which any
     ``StorageReader`` pays as well. Its median was 0.28-0.61 of ``FileSystemReader``'s
-    whole layout-changing load in the same three runs (single rounds 0.07-0.42 s), so a
+    whole layout-changing load in the same three runs (single rounds 0.07-0.26 s), so a
     reader at 0.3x DCP's load is at or below DCP's floor on this machine."""
     path.mkdir(parents=True, exist_ok=True)
     views = []

@@ -210,7 +210,8 @@ class LocalStorage(Storage):
         machine) then comes from the disk, not from memory. In the DCP report
         (``benchmarks/dcp_plugin.py``, 2 ranks, 281 MiB, 5 rounds) it made the blocking
         save 1.05x ``FileSystemWriter``'s throughput but the layout-changing load that
-        follows 1.37x DCP's time, against about 0.9x with page-cache writes. Objects in
+        follows 1.37x DCP's time, against 0.88-1.19x with page-cache writes (three runs
+        of the same report that day; their saves were 0.69-0.78x). Objects in
         memory (the memory tier's directory) are never written this way."""
         if not self.direct_writes or not hasattr(os, "O_DIRECT"):
             return False
