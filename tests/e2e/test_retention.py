@@ -4,7 +4,6 @@ bad save arguments are refused before anything is written."""
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 from e2e_common import free_port
 
@@ -16,8 +15,9 @@ from zerostate.store import StepExistsError, open_checkpoint
 def engine():
     import ckpt_worker as w
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         yield w.make_engine(2)
     finally:
@@ -57,8 +57,8 @@ def test_bad_save_arguments(engine, tmp_path):
     engine.save(root)
     with pytest.raises(StepExistsError, match="already committed"):
         engine.save(root)  # same step number again
-    with pytest.raises(zerostate.ConfigError, match="JSON"):
-        engine.save(root, step=7, client_state={"t": torch.zeros(1)})
+    with pytest.raises(zerostate.ConfigError, match="client_state.*without pickle"):
+        engine.save(root, step=7, client_state={"t": object()})
     with pytest.raises(zerostate.ConfigError, match="keep_last"):
         engine.save(root, step=8, keep_last=0)
     assert open_checkpoint(root).steps() == [1]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from zerostate import jsonstate
 from zerostate.checkpoint import peer_settings
 from zerostate.checkpoint.foreign import open_any_step
 from zerostate.checkpoint.roots import EngineRoots
@@ -108,7 +109,8 @@ class LoadSession:
         self._roots.memory(path).own = True  # resuming this run ([Note: save target])
         if self.rank == 0:
             self._warn(st, plan, left)
-        return st.attrs.get("client_state")
+        # jsonstate's encoding (plain JSON in steps before it, which decodes as itself)
+        return jsonstate.decode(st.attrs.get("client_state"), f"client_state of step {st.step}")
 
     def _warn(self, st: Any, plan: Any, left: list[str]) -> None:
         path = self.path

@@ -163,7 +163,9 @@ class EngineSource:
         self.document = json_checked(parts.engine_state(), "engine state")
         self._attrs = {
             "engine": self.document,
-            "client_state": json_checked(client_state, "client_state"),
+            # Encoded now as well: a non-blocking save used to write the caller's dict as it
+            # was when the write ran, changes made after save() returned included.
+            "client_state": jsonstate.encode(client_state, "client_state"),
             "saved_at_unix": time.time(),
             **adapter_attrs(parts.module),
         }

@@ -452,7 +452,9 @@ class Engine:
         the step is committed. ``blocking=False`` returns a :class:`~zerostate.checkpoint.
         SaveHandle` after a snapshot is taken and writes in the background (one save in
         flight; errors surface at the next save, ``handle.wait()`` or exit). ``client_state``
-        is JSON-able data (a data-loader position, say) that :meth:`load` returns.
+        is data (a data-loader position, a best loss, say) of the kinds a ``state_dict``
+        holds: JSON's, tuples, bytes, tensors, infinities and NaNs (:mod:`zerostate.jsonstate`),
+        copied when ``save`` is called; :meth:`load` returns it.
         ``keep_last`` deletes older committed steps beyond that many after the commit.
         ``stateful`` maps names to objects with ``state_dict()`` / ``load_state_dict()``
         (LR schedulers, samplers): their states are stored as JSON (tensors included, never

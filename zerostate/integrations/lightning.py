@@ -266,7 +266,9 @@ class ZeroStateStrategy(DDPStrategy):
                 f"{path} was not saved by ZeroStateStrategy (it holds no Lightning state); "
                 "load it with zerostate.Engine.load or engine.load_pretrained instead"
             )
-        checkpoint = jsonstate.decode(state, "Lightning checkpoint state")
+        # The engine decodes its client_state (jsonstate), steps saved before it did included:
+        # their values were encoded here, and one decoding gives the objects either way.
+        checkpoint = dict(state)
         checkpoint.setdefault("state_dict", {})
         checkpoint.setdefault("optimizer_states", [])
         return checkpoint
@@ -305,15 +307,18 @@ def data_parallel_coordinate(mesh: Any) -> tuple[int, int]:
 
 
 def _encode_lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """Lightning's checkpoint dict as JSON, without what the engine stores itself; a key
-    that cannot be stored as JSON (a hyperparameter holding an arbitrary object) is left
-    out with a warning rather than pickled."""
+    """Lightning's checkpoint dict without what the engine stores itself, for the engine's
+    ``client_state`` (which it encodes with ``zerostate.jsonstate``); a key that cannot be
+    stored that way (a hyperparameter holding an arbitrary object) is left out with a
+    warning rather than pickled."""
     out = {}
     for key, value in checkpoint.items():
         if key in _ENGINE_KEYS:
             continue
         try:
-            out[key] = jsonstate.encode(value, f"checkpoint[{key!r}]")
+            jsonstate.encode(value, f"checkpoint[{key!r}]")
         except ConfigError as exc:
             log.warning("zerostate: Lightning checkpoint key %r is not saved: %s", key, exc)
+            continue
+        out[key] = value
     return out
