@@ -160,3 +160,17 @@ def test_sharded_index_over_an_fsspec_url() -> None:
         _check_ranges(source, tensors)
     finally:
         fs.rm("/hf-test", recursive=True)
+
+
+def test_a_checkpoint_root_given_for_weights_says_what_to_do(tmp_path) -> None:
+    """``load_pretrained`` (and every reader of safetensors) handed a training checkpoint's
+    root names the two ways on; a directory that is neither gets the plain message."""
+    root = tmp_path / "ckpt"
+    (root / "step-00000003").mkdir(parents=True)
+    hint = r"checkpoint root.*engine\.load.*consolidate"
+    with pytest.raises(CheckpointNotFoundError, match=hint):
+        SafetensorsSource(str(root))
+    (tmp_path / "other").mkdir()
+    with pytest.raises(CheckpointNotFoundError) as info:
+        SafetensorsSource(str(tmp_path / "other"))
+    assert "checkpoint root" not in str(info.value)

@@ -233,13 +233,28 @@ class SafetensorsSource:
         else:
             raise CheckpointNotFoundError(
                 f"{self.url} is neither a .safetensors file nor a directory holding "
-                f"{SINGLE_FILE} or {INDEX_FILE}"
+                f"{SINGLE_FILE} or {INDEX_FILE}{self._checkpoint_root_hint(root)}"
             )
         size = self._size(f"{directory}/{index}")
         if size > MAX_INDEX_BYTES:
             raise CorruptCheckpointError(f"{index} is {size} bytes; an index is far smaller")
         self.root = directory  # _read resolves names against it
         return directory, parse_index(self._read(index, 0, size), index=index)
+
+    def _checkpoint_root_hint(self, root: str) -> str:
+        """What to do instead when ``root`` is a checkpoint root (it holds ``step-N``
+        directories): the usual mix-up of a training checkpoint with exported weights."""
+        try:
+            names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(root, detail=False)]
+        except (OSError, ValueError):
+            return ""
+        if not any(n.startswith("step-") for n in names):
+            return ""
+        return (
+            "; it is a checkpoint root (it holds step directories): resume from it with "
+            f"engine.load({self.url!r}), or export its weights first with "
+            f"`zerostate consolidate {self.url} OUT/` and load OUT/"
+        )
 
     def _size(self, path: str) -> int:
         try:
