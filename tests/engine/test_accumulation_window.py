@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from helpers_dist import run_distributed
 from world_of_one import world_of_one  # noqa: F401 - fixture
 
 import zerostate
@@ -70,3 +71,31 @@ def test_a_save_inside_a_window_says_its_gradients_are_not_in_the_step(tmp_path,
         engine.save(str(tmp_path / "root"))
     assert "accumulation window" not in caplog.text
     engine.close()
+
+
+def _two_ranks(rank: int, world_size: int, root: str, stage: int) -> bool:
+    """The first test's comparison on ``world_size`` ranks, each with its own batches."""
+    torch.set_num_threads(1)
+    torch.manual_seed(100 + rank)
+    x0, x1, x2 = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    saved = _engine(stage, 1)
+    _micro(saved, x0)
+    _micro(saved, x1)
+    saved.save(root)
+    saved.close()
+    inside, fresh = _engine(stage, 2), _engine(stage, 3)
+    _micro(inside, x0)
+    inside.load(root)
+    fresh.load(root)
+    for engine in (inside, fresh):
+        _micro(engine, x1)
+        _micro(engine, x2)
+    got, want = inside.full_state_dict(), fresh.full_state_dict()
+    inside.close()
+    fresh.close()
+    return all(torch.equal(got[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_same_on_two_ranks(tmp_path, stage):
+    assert run_distributed(_two_ranks, 2, str(tmp_path / "root"), stage) == [True, True]
