@@ -467,8 +467,8 @@ class Engine:
         on another node, and copies it to ``path`` every ``memory_durable_every`` such saves
         ([Note: memory tier] in zerostate.checkpoint.tiers); :meth:`load` finds it.
         """
-
         self._parts.check_not_torn("save()")
+        pipeline.warn_inside_window("save()", self._parts.micro_step, self)
 
         def save() -> Any:
             return self._ckpt().save(
@@ -512,6 +512,7 @@ class Engine:
         another world size) is logged once on rank 0; ``strict_state=True`` raises instead."""
         self._check_open("load()")
         self._parts.settle_host_copies()
+        window = self._parts.micro_step
         state = self._ckpt().load(
             path,
             step=step,
@@ -521,6 +522,8 @@ class Engine:
             strict_state=strict_state,
         )
         self._unset.clear()  # a checkpoint holds every parameter and buffer (or strict=False)
+        if window:  # [Note: a load ends the accumulation window] in zerostate.engine.pipeline
+            self._got_grad = pipeline.end_window(self._runtime, self._got_grad, window, self)
         return state
 
     def load_pretrained(

@@ -5,6 +5,9 @@ clipping by that norm. ``Engine.step`` sequences these with the optimizer.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
 from zerostate.dist.comm import CommContext
@@ -14,6 +17,8 @@ from zerostate.runtime.offload import HostTier
 from zerostate.runtime.runtime import GroupRuntime
 from zerostate.runtime.sharded import ShardedParam
 from zerostate.runtime.tp import TensorParallel
+
+log = logging.getLogger(__name__)
 
 
 def step_grads(
@@ -64,3 +69,41 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> Non
     """Scale ``grads`` in place so that their global norm is at most ``max_norm``."""
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0).reshape(())
     torch._foreach_mul_(grads, coef)
+
+
+def end_window(runtime: GroupRuntime, flags: list[bool], window: int, engine: Any) -> list[bool]:
+    """Drop the gradients of an unfinished accumulation window (``window`` micro-batches)
+    after a load and say so on rank 0; the fresh "got a gradient" flags.
+
+    [Note: a load ends the accumulation window]
+    A load resets the micro-step count (the step's weights start a new window) and used to
+    leave the gradients accumulated before it in the buffers: the next window's update then
+    added gradients computed with the weights the load replaced (found with
+    ``grad_accum_steps=2``: one backward, a load, two more, and the step differed from the
+    same two on a freshly loaded engine, at every stage). They are dropped now, as
+    ``step()`` drops them at a window's end. A load or a save inside a window is rarely
+    meant, so rank 0 says what happened (:func:`warn_inside_window`)."""
+    runtime.zero()
+    warn_inside_window("load()", window, engine)
+    return [False] * len(flags)
+
+
+def warn_inside_window(call: str, window: int, engine: Any) -> None:
+    """Rank 0's warning for a save or a load inside an accumulation window (else nothing)."""
+    if not window or engine.rank != 0:
+        return
+    if call == "load()":
+        what = "were dropped; the next backward() starts a new window"
+    else:
+        what = (
+            f"are not in the step (it holds the state after optimizer step "
+            f"{engine.optimizer_steps}): a run resumed from it starts a new window"
+        )
+    log.warning(
+        "zerostate: %s inside a gradient accumulation window: the gradients of its %d "
+        "micro-batch(es) of %d %s",
+        call,
+        window,
+        engine.config.grad_accum_steps,
+        what,
+    )
