@@ -66,12 +66,9 @@ def _state(preset: str, device: torch.device) -> dict:
 
 def _nbytes(state: dict) -> int:
     total = 0
-    for value in state.values():
-        if isinstance(value, dict):
-            total += _nbytes(value)
-        elif isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            total += local.numel() * local.element_size()
+    for value in _tensors(state):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        total += local.numel() * local.element_size()
     return total
 
 
@@ -106,21 +103,21 @@ def _count_files(path: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(path))
 
 
+def _fsync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(path: Path) -> None:
     """fsync every file under ``path`` and every directory (what this rank can see; ranks
     share the disk, so each syncs all, and the slowest rank's time counts)."""
     for dirpath, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            _fsync(os.path.join(dirpath, name))
+        _fsync(dirpath)
 
 
 def _disk_bound(state: dict, path: Path) -> None:
@@ -154,11 +151,7 @@ def _disk_bound(state: dict, path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
 
 
 def _tensors(value):
