@@ -131,19 +131,23 @@ def _disk_bound(state: dict, path: Path) -> None:
 
     [Note: the benchmark's bounds]
     A ratio against a peer says nothing of how far either is from what the machine allows,
-    so the report times two bounds in the same rounds. ``disk_bound`` is the durable write
-    with nothing else. On this project's 2-core virtual machine (ext4) it saved the GPT-2
-    ``io`` state at 2 ranks at 1.9-2.0x ``FileSystemWriter``'s throughput (three runs of
-    3-5 rounds), so the disk leaves room for a faster writer; ours and DCP's spend the
-    difference mostly in the kernel, taking page-cache pages from free memory ([Note:
-    direct writes] in zerostate/store/local.py). ``no_read_floor`` is ``dcp.load`` with
-    nothing read: DCP's own metadata read, planning and collectives, which any
-    ``StorageReader`` pays as well. Its median was 0.28-0.61 of ``FileSystemReader``'s
-    whole layout-changing load in the same three runs (single rounds 0.07-0.26 s), so on
-    that state a reader at 0.3x DCP's load is at or below DCP's floor on this machine. It
-    does not carry to every state: on the 38 MiB ``small`` preset (one 3-round run beside a
-    test suite) the floor was 0.17 of DCP's load and the disk bound 3.7x DCP's throughput,
-    and our reader and writer stood at 1.05x and 1.00x DCP's."""
+    so the report times bounds in the same rounds. ``disk_bound`` is the durable write
+    through the page cache with nothing else, ``direct_bound`` the same with ``O_DIRECT``
+    from one aligned buffer. On this project's 2-core virtual machine (ext4 on virtio) a
+    write through the page cache first takes pages from free memory, which costs more than
+    the disk when the guest has not used that memory before, and which it is varies from
+    round to round and run to run: ``disk_bound`` took 0.2-0.97 s for the GPT-2 ``io`` state
+    at 2 ranks in one 5-round run, ``direct_bound`` 0.18-0.24 s. Our writer writes large
+    rows past the page cache by default ([Note: direct writes] in zerostate/store/local.py),
+    so it pays the direct road's cost plus its plan, checksums and commit; DCP's
+    ``FileSystemWriter`` and torch-checkpointing pay the page cache's. The same holds for
+    reads: a load right after the save reads DCP's files from memory and ours from the
+    disk, so the report also times a cold load, every contender's files dropped from the
+    page cache first. ``no_read_floor`` is ``dcp.load`` with nothing read: DCP's own
+    metadata read, planning and collectives, which any ``StorageReader`` pays as well. Its
+    median was 0.28-0.61 of ``FileSystemReader``'s whole layout-changing load in three runs
+    on 2026-12-06 and 0.12 in a run on 2026-12-07 (single rounds 0.06-0.08 s against
+    0.07-0.26 s): the floor moves with the state of the machine as much as the loads do."""
     path.mkdir(parents=True, exist_ok=True)
     views = []
     for value in _tensors(state):
