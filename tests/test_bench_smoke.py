@@ -321,8 +321,8 @@ def test_shm_ab_runs():
 
 @pytest.mark.timeout(300)
 def test_dcp_plugin_runs_with_its_bounds(tmp_path):
-    """benchmarks/dcp_plugin.py at 2 ranks on the tiny preset: every contender and both bounds
-    timed in the round, and every ratio finite and positive."""
+    """benchmarks/dcp_plugin.py at 2 ranks on the tiny preset: every contender and every bound
+    timed in the round, the load warm and cold, and every ratio finite and positive."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "-m", "benchmarks.dcp_plugin", "--dir", str(tmp_path / "run"), "--rounds", "1",
            "--preset", "tiny"]  # fmt: skip
@@ -330,11 +330,13 @@ def test_dcp_plugin_runs_with_its_bounds(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(proc.stdout[proc.stdout.index("{\n") :])
-    assert {"ours", "dcp", "disk_bound"} <= set(out["save_s"]), out
+    assert {"ours", "dcp", "disk_bound", "direct_bound"} <= set(out["save_s"]), out
     assert set(out["layout_changing_load_s"]) == {"ours", "dcp", "no_read_floor"}, out
-    ratios = [out["load_ratio_ours_over_dcp"], *out["bounds"].values()]
+    assert set(out["cold_layout_changing_load_s"]) == {"ours", "dcp"}, out
+    ratios = [out["load_ratio_ours_over_dcp"], out["cold_load_ratio_ours_over_dcp"]]
+    ratios += out["bounds"].values()
     ratios += out["throughput_ratio_ours_over"].values()
     ratios += out["blocked_ratio_ours_over"].values()
-    assert len(out["bounds"]) == 3, out
+    assert len(out["bounds"]) == 5, out
     for value in ratios:
         assert math.isfinite(value) and value > 0, out

@@ -1,6 +1,6 @@
-"""Large objects on local disk written past the page cache when asked ([Note: direct
+"""Large objects on local disk written past the page cache, by default ([Note: direct
 writes] in zerostate/store/local.py): every byte lands, the file has its exact size, and a
-filesystem without direct I/O gets the page-cache write instead."""
+filesystem without direct I/O gets the page-cache write instead, whenever it refuses."""
 
 from __future__ import annotations
 
@@ -75,10 +75,13 @@ def test_a_filesystem_without_direct_io_gets_page_cache_writes(tmp_path, monkeyp
     assert not storage.direct_writes  # asked once, not again for every object
 
 
-@pytest.mark.parametrize("at_block", [0, 1])
-def test_a_refused_direct_write(tmp_path, direct_flags, monkeypatch, at_block):
-    """Refused at the first block: the object is written through the page cache instead.
-    Refused after a block went through: an error, and no object under the name."""
+@pytest.mark.parametrize("at_block", [0, 1, 2])
+def test_a_refused_direct_write_is_written_again_through_the_page_cache(
+    tmp_path, direct_flags, monkeypatch, at_block
+):
+    """Refused at the first block, after a block went through, or at the padded tail (a
+    stricter alignment): the object is written again from its first byte through the page
+    cache, holds every byte at its size, and the storage asks no more."""
     real_pwrite = os.pwrite
     calls = []
 
@@ -91,24 +94,69 @@ def test_a_refused_direct_write(tmp_path, direct_flags, monkeypatch, at_block):
     monkeypatch.setattr(local.os, "pwrite", refusing)
     storage = LocalStorage(str(tmp_path))
     parts = _parts(random.Random(2), 2 * BLOCK + 9)
-    if at_block == 0:
-        storage.write("obj", parts)
-        assert (tmp_path / "obj").read_bytes() == b"".join(parts)
-        assert not storage.direct_writes
-    else:
-        with pytest.raises(StorageError, match="obj"):
-            storage.write("obj", parts)
-        assert not (tmp_path / "obj").exists()
+    storage.write("obj", parts)
+    assert (tmp_path / "obj").read_bytes() == b"".join(parts)
+    assert not (tmp_path / "obj.partial").exists()
+    assert len(calls) == at_block + 1, "blocks were written after the refusal"
+    assert not storage.direct_writes
+    direct_flags.clear()
+    storage.write("obj2", parts)  # not asked again
+    assert not any(f & os.O_DIRECT for f in direct_flags)
+    assert (tmp_path / "obj2").read_bytes() == b"".join(parts)
 
 
-def test_direct_writes_are_off_unless_asked(tmp_path, monkeypatch):
+def test_another_error_of_a_direct_write_fails_the_write(tmp_path, direct_flags, monkeypatch):
+    """An I/O error is not a refusal: the write fails naming the object, and nothing is left
+    under its name."""
+    real_pwrite = os.pwrite
+    calls = []
+
+    def failing(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "disk error")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(local.os, "pwrite", failing)
+    storage = LocalStorage(str(tmp_path))
+    with pytest.raises(StorageError, match="obj"):
+        storage.write("obj", _parts(random.Random(3), 3 * BLOCK + 1))
+    assert not (tmp_path / "obj").exists()
+    assert storage.direct_writes
+
+
+def test_direct_writes_are_on_unless_turned_off(tmp_path, monkeypatch):
     monkeypatch.delenv(local.DIRECT_WRITES_ENV, raising=False)
-    assert not LocalStorage(str(tmp_path)).direct_writes
-    monkeypatch.setenv(local.DIRECT_WRITES_ENV, "1")
     assert LocalStorage(str(tmp_path)).direct_writes
-    assert not LocalStorage(str(tmp_path), direct_writes=False).direct_writes
     monkeypatch.setenv(local.DIRECT_WRITES_ENV, "0")
+    assert not LocalStorage(str(tmp_path)).direct_writes
     assert LocalStorage(str(tmp_path), direct_writes=True).direct_writes
+    monkeypatch.setenv(local.DIRECT_WRITES_ENV, "1")
+    assert not LocalStorage(str(tmp_path), direct_writes=False).direct_writes
+
+
+def test_large_objects_are_written_directly_by_default(tmp_path, monkeypatch):
+    """At default settings an object of ``DIRECT_MIN_NBYTES`` goes past the page cache and a
+    smaller one does not."""
+    monkeypatch.delenv(local.DIRECT_WRITES_ENV, raising=False)
+    seen: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def recording(path, flags, *args):
+        seen.append((os.path.basename(path), flags))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(local.os, "open", recording)
+    storage = LocalStorage(str(tmp_path))
+    big = _parts(random.Random(4), local.DIRECT_MIN_NBYTES)
+    storage.write("big", big)
+    storage.write("small", [b"x" * (local.DIRECT_MIN_NBYTES - 1)])
+    direct = {name for name, flags in seen if flags & os.O_DIRECT}
+    if storage.direct_writes:  # this filesystem takes direct I/O (tmpfs does not)
+        assert direct == {"big.partial"}
+    else:
+        assert direct <= {"big.partial"}
+    assert (tmp_path / "big").read_bytes() == b"".join(big)
 
 
 def test_a_step_written_directly_loads_every_checked_byte(tmp_path, direct_flags):

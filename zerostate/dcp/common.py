@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import re
+import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,6 +33,58 @@ MAX_DIMS = 64
 #: Bytes of pieces one read batch holds in memory at once.
 READ_BATCH_NBYTES = 256 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class GcHold:
+    """Keeps the cyclic garbage collector off the objects that existed when a save or a load
+    began, until it ends ([Note: the heap held out of collections]). One per writer or
+    reader; :meth:`hold` and :meth:`release` may be called any number of times.
+
+    [Note: the heap held out of collections]
+    A save through ``dcp.save`` makes many short-lived objects (DCP's write items and plans,
+    pickled for its collectives, our pieces), and they trigger collections of the oldest
+    generation, which walk the whole heap of the training process: the model's modules, its
+    DTensors, torch's own objects. In the DCP report (2 ranks, the GPT-2 ``io`` FSDP2 state)
+    3 of 8 saves in a row had one such collection on a rank, of 0.16-0.21 s, on a save of
+    0.36-0.4 s otherwise, and the other rank waited for it in the next collective; with the
+    heap held, 8 saves of 8 took 0.36-0.39 s. From our first hook after DCP's local planning
+    (``prepare_local_plan``, so that a state DCP refuses there holds nothing) until the last
+    (``finish`` on the coordinator, ``write_data`` elsewhere; ``read_data``) the objects
+    that already existed are frozen (``gc.freeze``): collections still run and free the
+    save's own garbage, but do not walk the rest. ``gc.unfreeze`` puts them back when the
+    last hold in the process ends. Nothing is done when the collector is off or the process
+    froze objects itself (a forking server's ``gc.freeze``: its frozen objects stay so).
+    Our own failures release at once. A save or load that fails between two of our hooks
+    (another rank's failure, raised in DCP's collective) leaves its hold until the writer's
+    or reader's next ``reset`` (DCP calls it at the start of each save or load) or
+    ``close``, or until the next hold or release in the process once that writer or reader
+    is gone: meanwhile cycles among the frozen objects are not collected, nothing else
+    changes."""
+
+    _lock = threading.Lock()
+    _holders: weakref.WeakSet[GcHold] = weakref.WeakSet()
+    _froze = False
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def hold(self) -> None:
+        with GcHold._lock:
+            if not GcHold._holders:
+                GcHold._froze = gc.isenabled() and gc.get_freeze_count() == 0
+                if GcHold._froze:
+                    gc.freeze()
+            GcHold._holders.add(self)
+            self.held = True
+
+    def release(self) -> None:
+        with GcHold._lock:
+            GcHold._holders.discard(self)
+            self.held = False
+            # Empty also once every holder that failed between hooks has been freed.
+            if not GcHold._holders and GcHold._froze:
+                GcHold._froze = False
+                gc.unfreeze()
 
 
 def piece_name(rank: int, seq: int, fqn: str) -> str:

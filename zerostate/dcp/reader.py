@@ -37,6 +37,7 @@ from zerostate.dcp.common import (
     GROUP,
     MAX_DIMS,
     READ_BATCH_NBYTES,
+    GcHold,
     _check_fqn,
     _check_step,
     _ints,
@@ -89,10 +90,11 @@ class StorageReader(dcp_storage.StorageReader):
         self.step: int | None = None
         self._state: _Step | None = None
         self._reader: Any = None
+        self._gc = GcHold()  # [Note: the heap held out of collections] in zerostate.dcp.common
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.update(_state=None, _reader=None)
+        state.update(_state=None, _reader=None, _gc=GcHold())
         return state
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -102,6 +104,7 @@ class StorageReader(dcp_storage.StorageReader):
         self._state = None
 
     def close(self) -> None:
+        self._gc.release()
         if self._reader is not None:
             self._reader.close()
             self._reader = None
@@ -134,6 +137,7 @@ class StorageReader(dcp_storage.StorageReader):
             )
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        self._gc.hold()  # until read_data's close, or the next reset
         # The step each rank opened travels with its plan: ranks that resolved "newest"
         # across a concurrent commit must not mix two steps.
         return dataclasses.replace(plan, storage_data=self.step)
@@ -141,6 +145,7 @@ class StorageReader(dcp_storage.StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         steps = sorted({p.storage_data for p in plans}, key=str)
         if len(steps) != 1:
+            self._gc.release()
             raise DistributedMismatchError(
                 f"ranks opened different steps of {self.root} ({steps}): a step was committed "
                 "while they read; pass step= to StorageReader to load one step on every rank"

@@ -24,6 +24,7 @@ from torch.futures import Future
 
 from zerostate.dcp.common import (
     ATTR,
+    GcHold,
     _check_step,
     _GlobalPlan,
     _rank_of_caller,
@@ -83,9 +84,11 @@ class StorageWriter(dcp_storage.StorageWriter):
         #: The step the last save wrote (set on every rank once its plan arrives).
         self.step: int | None = None
         self._staging = staging if staging is not None else StagingBuffers()
+        self._gc = GcHold()  # [Note: the heap held out of collections] in zerostate.dcp.common
         self._reset_save()
 
     def _reset_save(self) -> None:
+        self._gc.release()  # a save that failed between hooks held it
         self._rank = 0
         self._is_coordinator = False
         self._plan: _GlobalPlan | None = None
@@ -97,7 +100,7 @@ class StorageWriter(dcp_storage.StorageWriter):
     def __getstate__(self) -> dict:
         # Staging processes get the configuration only; a save opens what it needs.
         state = dict(self.__dict__)
-        state.update(_plan=None, _full=None, _parts=None, _writer=None, _root=None)
+        state.update(_plan=None, _full=None, _parts=None, _writer=None, _root=None, _gc=GcHold())
         return state
 
     def _open_root(self) -> CheckpointRoot:
@@ -121,6 +124,7 @@ class StorageWriter(dcp_storage.StorageWriter):
 
     def close(self) -> None:
         """Drops the staging buffers kept for the next save."""
+        self._gc.release()
         self._staging.close()
 
     # ------------------------------------------------------------- DCP interface
@@ -150,10 +154,18 @@ class StorageWriter(dcp_storage.StorageWriter):
         self._rank = _rank_of_caller(kwargs)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._gc.hold()  # until this rank's last hook
         # The rank travels with the plan so the coordinator knows who it is.
         return dataclasses.replace(plan, storage_data=self._rank)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        try:
+            return self._global_plan(plans)
+        except BaseException:
+            self._gc.release()
+            raise
+
+    def _global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         pieces = plan_pieces(plans, self._rank)
         root = self._open_root()
         # The step (None: the next after the newest committed) and the target check are
@@ -192,8 +204,13 @@ class StorageWriter(dcp_storage.StorageWriter):
         read: list[torch.Tensor] = []  # staged buffers this save reads, freed when it is done
         try:
             results = self._write_row(plan, planner, glob, read)
+        except BaseException:
+            self._gc.release()
+            raise
         finally:
             self._staging.release(read)
+        if not self._is_coordinator:  # its last hook: finish runs on the coordinator only
+            self._gc.release()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -271,7 +288,10 @@ class StorageWriter(dcp_storage.StorageWriter):
                 kind, payload = result.storage_data
                 if kind == "value":
                     values[result.index.fqn] = payload
-        document = metadata_json(metadata, glob.pieces, values)
-        writer.commit(attrs={ATTR: document})
-        # DCP calls finish on the coordinator only: the rank that listed the root.
-        self._open_root().retain(glob.step, self.keep_last)
+        try:
+            document = metadata_json(metadata, glob.pieces, values)
+            writer.commit(attrs={ATTR: document})
+            # DCP calls finish on the coordinator only: the rank that listed the root.
+            self._open_root().retain(glob.step, self.keep_last)
+        finally:
+            self._gc.release()

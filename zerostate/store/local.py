@@ -12,6 +12,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from zerostate.errors import CheckpointNotFoundError, StorageError, UnsafeNameError
 from zerostate.store.base import Buffer, ByteRange, RangeReader, Storage
@@ -30,7 +31,7 @@ DIRECT_MIN_NBYTES = 16 << 20
 #: Bytes of the aligned buffer a direct write goes through, and the alignment it keeps.
 _DIRECT_BLOCK = 4 << 20
 _DIRECT_ALIGN = 4096
-#: ``1`` turns direct writes on (off by default: every object through the page cache).
+#: ``0`` turns direct writes off (every object through the page cache).
 DIRECT_WRITES_ENV = "ZEROSTATE_DIRECT_WRITES"
 
 
@@ -51,10 +52,10 @@ class LocalStorage(Storage):
         self._lock = threading.Lock()
         self._dirty_dirs: set[str] = set()
         self._real_root_cache: str | None = None
-        #: Large objects past the page cache ([Note: direct writes]): asked for with
-        #: ``ZEROSTATE_DIRECT_WRITES=1`` (None) or here; off once the filesystem refused it.
+        #: Large objects past the page cache ([Note: direct writes]): on unless
+        #: ``ZEROSTATE_DIRECT_WRITES=0`` (None) or False here; off once the filesystem refused it.
         if direct_writes is None:
-            direct_writes = os.environ.get(DIRECT_WRITES_ENV, "0") == "1"
+            direct_writes = os.environ.get(DIRECT_WRITES_ENV, "1") != "0"
         self.direct_writes = bool(direct_writes)
         self._direct_buffers = threading.local()
 
@@ -189,30 +190,39 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def _write_direct(self, partial: str, make_parts: Callable[[], Iterable[Buffer]]) -> bool:
-        """Write the object with ``O_DIRECT`` through an aligned buffer, then fsync it;
-        False (nothing written) where the filesystem refuses direct I/O, which turns it off
-        for this storage.
+        """Write the object with ``O_DIRECT`` through two aligned buffers, then fsync it;
+        False where the filesystem refuses direct I/O (the caller then writes the object
+        again from its first byte through the page cache), which turns it off for this
+        storage.
 
         [Note: direct writes]
-        With ``ZEROSTATE_DIRECT_WRITES=1`` (or ``LocalStorage(direct_writes=True)``) a large
-        object is copied block by block into an aligned buffer of this thread's and written
-        from it with ``O_DIRECT``: the bytes go from the buffer to the disk, not into
-        page-cache pages. The object's last partial block is written padded to the
-        alignment and the file cut back to its size before the fsync, which makes the size
-        and the blocks durable together.
-        Why it exists: through the page cache a save first takes pages from free memory,
-        and on this project's 2-core virtual machine that can cost more than the disk. Two
-        processes each writing 147 MB and fsyncing took 0.19-0.26 s when their pages were
-        memory the guest had used before and 0.41-0.81 s when they were not (0.47-0.65 s of
-        it CPU time in the kernel); with ``O_DIRECT`` 0.17-0.18 s every time, with
-        0.025-0.03 s of CPU (three rounds each, alternating). Why it is off by default:
-        a read right after the save (a load, ``verify``, ``consolidate`` on the same
-        machine) then comes from the disk, not from memory. In the DCP report
-        (``benchmarks/dcp_plugin.py``, 2 ranks, 281 MiB, 5 rounds) it made the blocking
-        save 1.05x ``FileSystemWriter``'s throughput but the layout-changing load that
-        follows 1.37x DCP's time, against 0.88-1.19x with page-cache writes (three runs
-        of the same report that day; their saves were 0.69-0.78x). Objects in
-        memory (the memory tier's directory) are never written this way."""
+        A large object (``DIRECT_MIN_NBYTES`` and up) on local disk is copied block by
+        block into an aligned buffer and written from it with ``O_DIRECT``: the bytes go
+        from the buffer to the disk, not into page-cache pages. While one block is being
+        written (on a helper thread: ``pwrite`` releases the GIL), the next is filled
+        from the object's parts, so the copy and the checksums of ``row_parts`` overlap
+        the disk. The last partial block is written padded to the alignment and the file
+        cut back to its size before the fsync, which makes the size and the blocks durable
+        together. A refusal (``EINVAL`` at open or at any block: no direct I/O, or a
+        stricter alignment) is not an error: the object is written again through the page
+        cache, from its first byte (``make_parts`` starts over, as for a retry), and this
+        storage asks no more.
+        Why it is the default: through the page cache a save first takes pages from free
+        memory, and a checkpoint's pages are rarely read again before they are evicted
+        (checkpoints are written often and read on a restart, usually by a new process,
+        often on another node), while they push out what the job does read. On this
+        project's 2-core virtual machine (ext4 on virtio), two processes each writing
+        147 MB and fsyncing took 0.19-0.26 s when their pages were memory the guest had
+        used before and 0.41-0.81 s when they were not (0.47-0.65 s of it CPU time in the
+        kernel); with ``O_DIRECT`` 0.17-0.18 s every time, with 0.025-0.03 s of CPU. In the
+        DCP report (``benchmarks/dcp_plugin.py``) the page-cache writers' saves varied
+        2x from run to run with the state of the guest's memory, ours did not. The cost:
+        a read right after the save on the same machine (a load, ``verify``,
+        ``consolidate``) comes from the disk, not from memory, so the report times the
+        load both as written and with every contender's files out of the page cache.
+        ``ZEROSTATE_DIRECT_WRITES=0`` (or ``LocalStorage(direct_writes=False)``) writes
+        every object through the page cache. Objects in memory (the memory tier's
+        directory, tmpfs) are never written this way."""
         if not self.direct_writes or not hasattr(os, "O_DIRECT"):
             return False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
@@ -223,25 +233,32 @@ class LocalStorage(Storage):
                 raise
             return self._no_direct()
         try:
-            block = self._direct_buffer()
-            fill = offset = 0
-            for part in make_parts():
-                src = memoryview(part).cast("B")
-                while src.nbytes:
-                    take = min(src.nbytes, _DIRECT_BLOCK - fill)
-                    block[fill : fill + take] = src[:take]
-                    fill, src = fill + take, src[take:]
-                    if fill == _DIRECT_BLOCK:
-                        if not _pwrite_direct(fd, block, offset):
-                            return self._no_direct()  # refused at once: nothing written
-                        offset, fill = offset + fill, 0
-            if fill:
-                padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
-                block[fill:padded] = bytes(padded - fill)
-                if not _pwrite_direct(fd, block[:padded], offset):
+            blocks = self._direct_blocks()
+            with ThreadPoolExecutor(1, thread_name_prefix="zs-direct") as disk:
+                pending: Future | None = None  # the previous block's write
+                current = fill = offset = 0
+                for part in make_parts():
+                    src = memoryview(part).cast("B")
+                    while src.nbytes:
+                        block = blocks[current]
+                        take = min(src.nbytes, _DIRECT_BLOCK - fill)
+                        block[fill : fill + take] = src[:take]
+                        fill, src = fill + take, src[take:]
+                        if fill == _DIRECT_BLOCK:
+                            if pending is not None and not pending.result():
+                                return self._no_direct()
+                            pending = disk.submit(_pwrite_direct, fd, block, offset)
+                            offset, fill, current = offset + fill, 0, 1 - current
+                if pending is not None and not pending.result():
                     return self._no_direct()
-                offset += fill
-                os.ftruncate(fd, offset)
+                if fill:
+                    block = blocks[current]
+                    padded = -(-fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                    block[fill:padded] = bytes(padded - fill)
+                    if not _pwrite_direct(fd, block[:padded], offset):
+                        return self._no_direct()
+                    offset += fill
+                    os.ftruncate(fd, offset)
             os.fsync(fd)
             return True
         finally:
@@ -251,13 +268,14 @@ class LocalStorage(Storage):
         self.direct_writes = False  # this filesystem refuses direct I/O: page cache from now
         return False
 
-    def _direct_buffer(self) -> memoryview:
-        """This thread's aligned block (anonymous pages: page-aligned), kept for its next
-        object."""
-        block = getattr(self._direct_buffers, "block", None)
-        if block is None:
-            block = self._direct_buffers.block = memoryview(mmap.mmap(-1, _DIRECT_BLOCK))
-        return block
+    def _direct_blocks(self) -> tuple[memoryview, memoryview]:
+        """This thread's two aligned blocks (anonymous pages: page-aligned), kept for its
+        next object."""
+        blocks = getattr(self._direct_buffers, "blocks", None)
+        if blocks is None:
+            blocks = tuple(memoryview(mmap.mmap(-1, _DIRECT_BLOCK)) for _ in range(2))
+            self._direct_buffers.blocks = blocks
+        return blocks
 
     def sync_dirs(self) -> None:
         with self._lock:
@@ -403,14 +421,14 @@ class _LocalRanges(RangeReader):
 
 def _pwrite_direct(fd: int, block: memoryview, offset: int) -> bool:
     """Write all of ``block`` (aligned) at ``offset`` through a direct descriptor; False
-    where the filesystem refuses the file's first write (``EINVAL``: no direct I/O, or a
-    stricter alignment). A refusal later on is an error: blocks already went through."""
+    where the filesystem refuses it (``EINVAL``: no direct I/O, or a stricter alignment),
+    and the object is then written again through the page cache ([Note: direct writes])."""
     done = 0
     while done < block.nbytes:
         try:
             n = os.pwrite(fd, block[done:], offset + done)
         except OSError as exc:
-            if exc.errno == errno.EINVAL and offset + done == 0:
+            if exc.errno == errno.EINVAL:
                 return False
             raise
         if n <= 0:
