@@ -221,8 +221,8 @@ class LocalStorage(Storage):
         ``consolidate``) comes from the disk, not from memory, so the report times the
         load both as written and with every contender's files out of the page cache.
         ``ZEROSTATE_DIRECT_WRITES=0`` (or ``LocalStorage(direct_writes=False)``) writes
-        every object through the page cache. Objects in memory (the memory tier's
-        directory, tmpfs) are never written this way."""
+        every object through the page cache. The memory tier's directory is never
+        written this way (on tmpfs, which takes direct I/O since Linux 6.6, it only adds a copy)."""
         if not self.direct_writes or not hasattr(os, "O_DIRECT"):
             return False
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0)
