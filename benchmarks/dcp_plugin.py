@@ -6,7 +6,9 @@ the ``bench`` extra), same state, same disk, interleaved in one run.
     torchrun --nproc-per-node 2 -m benchmarks.dcp_plugin --dir /tmp/bench --rounds 3
 
 Per round, in alternating order:
-- a blocking save with each (seconds from a common start until the slowest rank returns).
+- a blocking save with each (seconds from a common start until the slowest rank returns),
+  each started after an ``os.sync()``: no contender's dirty pages (torch-checkpointing does
+  not fsync) are left for the next one's fsyncs to wait on.
   Ours and DCP's fsync every file; torch-checkpointing's buffered writes are not fsynced
   (its O_DIRECT mode fails here on a file's unaligned tail), so its time excludes the disk;
   ``torch_checkpointing_fsynced`` is the same save followed by an fsync of every file and
@@ -340,6 +342,7 @@ def main() -> None:
     for r in range(args.rounds):
         flip = r % 2 == 1
         for who in reversed(savers) if flip else savers:
+            os.sync()  # no contender's dirty pages left for the next one's fsyncs to wait on
             save_s[who].append(_timed(lambda w=who, t=str(r): save(w, t)))
         for who in reversed(async_savers) if flip else async_savers:
             future = None
