@@ -151,12 +151,7 @@ def _disk_bound(state: dict, path: Path) -> None:
     on 2026-12-06 and 0.12 in a run on 2026-12-07 (single rounds 0.06-0.08 s against
     0.07-0.26 s): the floor moves with the state of the machine as much as the loads do."""
     path.mkdir(parents=True, exist_ok=True)
-    views = []
-    for value in _tensors(state):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        if local.numel():
-            data = local.detach().contiguous().cpu().view(-1).view(torch.uint8)
-            views.append(memoryview(data.numpy()))
+    views = _byte_views(state)
     fd = os.open(path / f"rank{dist.get_rank()}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         for view in views:
@@ -185,11 +180,7 @@ def _direct_bound(state: dict, path: Path) -> None:
         return _disk_bound(state, path)
     try:
         fill = offset = 0
-        for value in _tensors(state):
-            local = value.to_local() if hasattr(value, "to_local") else value
-            if not local.numel():
-                continue
-            src = memoryview(local.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+        for src in _byte_views(state):
             while src.nbytes:
                 take = min(src.nbytes, size - fill)
                 view[fill : fill + take] = src[:take]
@@ -220,6 +211,18 @@ def _evict(path: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def _byte_views(state: dict) -> list[memoryview]:
+    """Each of this rank's non-empty local tensors of ``state`` as a byte view (the bounds'
+    bytes, in the state's order)."""
+    views = []
+    for value in _tensors(state):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if local.numel():
+            data = local.detach().contiguous().cpu().view(-1).view(torch.uint8)
+            views.append(memoryview(data.numpy()))
+    return views
 
 
 def _tensors(value):

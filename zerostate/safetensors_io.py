@@ -248,7 +248,9 @@ class SafetensorsSource:
             names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(root, detail=False)]
         except (OSError, ValueError):
             return ""
-        if not any(n.startswith("step-") for n in names):
+        from zerostate.store import format as fmt  # the store's step naming; an error path
+
+        if not any(fmt.parse_step_dir(n) is not None for n in names):
             return ""
         return (
             "; it is a checkpoint root (it holds step directories): resume from it with "

@@ -76,9 +76,6 @@ class GcHold:
     _holders: weakref.WeakSet[GcHold] = weakref.WeakSet()
     _froze = False
 
-    def __init__(self) -> None:
-        self.held = False
-
     def hold(self) -> None:
         with GcHold._lock:
             if not GcHold._holders:
@@ -86,12 +83,10 @@ class GcHold:
                 if GcHold._froze:
                     gc.freeze()
             GcHold._holders.add(self)
-            self.held = True
 
     def release(self) -> None:
         with GcHold._lock:
             GcHold._holders.discard(self)
-            self.held = False
             # Empty also once every holder that failed between hooks has been freed.
             if not GcHold._holders and GcHold._froze:
                 GcHold._froze = False
