@@ -155,7 +155,12 @@ def _disk_bound(state: dict, path: Path) -> None:
     read alone, and ``cold_load_read_MiB`` says how much each cold load did read.
     ``cold_load_ratio_floor_over_dcp`` adds the medians of ``no_read_floor`` and
     ``read_bound`` over DCP's cold load: the least share of it such a reader could take
-    here (an estimate: the two are timed apart). ``no_read_floor`` is ``dcp.load`` with
+    here (an estimate: the two are timed apart). In two runs on 2026-12-07 (``io``, 2 ranks,
+    3 rounds) it was 0.275 and 0.332, with our cold load at 0.337 and 0.457 of DCP's: each
+    load, ours and DCP's, read the 282 MiB from the disk once. Starting each rank's reads at
+    a different place in its boxes, so that the ranks fetch different stretches at once,
+    made our cold load slower in a third run (0.46-0.51 s against 0.37-0.44 s), and is not
+    done. ``no_read_floor`` is ``dcp.load`` with
     nothing read: DCP's own metadata read, planning and collectives, which any
     ``StorageReader`` pays as well. Its
     median was 0.28-0.61 of ``FileSystemReader``'s whole layout-changing load in three runs
@@ -226,10 +231,10 @@ def _evict(path: Path) -> None:
 
 def _read_bound(path: Path) -> None:
     """This rank's file of the round's ``direct_bound`` save read back in 8 MiB pieces, four
-    at a time (on this disk one read at a time reached about a third of its cold bandwidth),
-    into reused buffers: with every rank doing the same, every byte of the state is read
-    once ([Note: the benchmark's bounds]); the caller drops the files from the page cache
-    first."""
+    at a time (one at a time took about twice as long on this disk: 0.46-0.55 s for the
+    ``io`` state at 2 ranks, against 0.19-0.28 s), into reused buffers: with every rank
+    doing the same, every byte of the state is read once ([Note: the benchmark's bounds]);
+    the caller drops the files from the page cache first."""
     from concurrent.futures import ThreadPoolExecutor
 
     piece, lanes = 8 << 20, 4
