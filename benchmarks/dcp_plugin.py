@@ -26,14 +26,18 @@ Per round, in alternating order:
   the save left the files (``layout_changing_load_s``: DCP's were written through the page
   cache and are read from memory, ours past it by default and are read from the disk), and
   cold (``cold_layout_changing_load_s``: every contender's files dropped from the page cache
-  first, as for a job restarted on another node).
+  first, as for a job restarted on another node), with the MiB each cold load had read from
+  the disk, all ranks together (``cold_load_read_MiB``, from ``/proc/self/io``).
 Bounds are timed in the same rounds, as references, not contenders ([Note: the benchmark's
 bounds]): ``disk_bound``, each rank's bytes written to one file through the page cache and
 fsynced; ``direct_bound``, the same with ``O_DIRECT`` from one aligned buffer (no plan, no
 metadata, no checksum: the least time a writer that makes the same bytes durable on this
-disk needs, by either road); and ``no_read_floor``, ``dcp.load`` through a
+disk needs, by either road); ``no_read_floor``, ``dcp.load`` through a
 ``FileSystemReader`` whose ``read_data`` reads nothing (DCP's metadata read, planning and
-collectives: what every reader pays through ``dcp.load`` before its first byte).
+collectives: what every reader pays through ``dcp.load`` before its first byte); and
+``read_bound``, each rank's ``direct_bound`` file read back cold in 8 MiB pieces (every byte
+of the state read from the disk once: what any layout-changing reader needs at least, since
+each rank needs a part of every saved row).
 Rank 0 prints one JSON object: every round's times, the medians, the ratios (save throughput
 ours over each peer's, blocked time and load time ours over DCP's) and the objects per step.
 The GPT-2 ``io`` preset (~26M parameters: fp32 weights and both AdamW moments); ``--device
@@ -145,8 +149,20 @@ def _disk_bound(state: dict, path: Path) -> None:
     ``FileSystemWriter`` and torch-checkpointing pay the page cache's. The same holds for
     reads: a load right after the save reads DCP's files from memory and ours from the
     disk, so the report also times a cold load, every contender's files dropped from the
-    page cache first. ``no_read_floor`` is ``dcp.load`` with nothing read: DCP's own
-    metadata read, planning and collectives, which any ``StorageReader`` pays as well. Its
+    page cache first. A cold layout-changing load needs every byte of the state from the
+    disk at least once (each rank needs a part of every saved row; ranks reading the same
+    file share its pages, so each byte comes from the disk once): ``read_bound`` times that
+    read alone, and ``cold_load_read_MiB`` says how much each cold load did read.
+    ``cold_load_ratio_floor_over_dcp`` adds the medians of ``no_read_floor`` and
+    ``read_bound`` over DCP's cold load: the least share of it such a reader could take
+    here (an estimate: the two are timed apart). In two runs on 2026-12-07 (``io``, 2 ranks,
+    3 rounds) it was 0.275 and 0.332, with our cold load at 0.337 and 0.457 of DCP's: each
+    load, ours and DCP's, read the 282 MiB from the disk once. Starting each rank's reads at
+    a different place in its boxes, so that the ranks fetch different stretches at once,
+    made our cold load slower in a third run (0.46-0.51 s against 0.37-0.44 s), and is not
+    done. ``no_read_floor`` is ``dcp.load`` with
+    nothing read: DCP's own metadata read, planning and collectives, which any
+    ``StorageReader`` pays as well. Its
     median was 0.28-0.61 of ``FileSystemReader``'s whole layout-changing load in three runs
     on 2026-12-06 and 0.12 in a run on 2026-12-07 (single rounds 0.06-0.08 s against
     0.07-0.26 s): the floor moves with the state of the machine as much as the loads do."""
@@ -211,6 +227,47 @@ def _evict(path: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def _read_bound(path: Path) -> None:
+    """This rank's file of the round's ``direct_bound`` save read back in 8 MiB pieces, four
+    at a time (one at a time took about twice as long on this disk: 0.46-0.55 s for the
+    ``io`` state at 2 ranks, against 0.19-0.28 s), into reused buffers: with every rank
+    doing the same, every byte of the state is read once ([Note: the benchmark's bounds]);
+    the caller drops the files from the page cache first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece, lanes = 8 << 20, 4
+    fd = os.open(path / f"rank{dist.get_rank()}.bin", os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        offsets = list(range(0, size, piece))
+        bufs = [memoryview(bytearray(piece)) for _ in range(lanes)]
+
+        def lane(k: int) -> None:
+            for offset in offsets[k::lanes]:
+                want = min(piece, size - offset)
+                got = os.preadv(fd, [bufs[k][:want]], offset)
+                if got != want:
+                    raise OSError(f"{path}: read {got} of {want} bytes at {offset}")
+
+        with ThreadPoolExecutor(lanes) as pool:
+            list(pool.map(lane, range(lanes)))
+    finally:
+        os.close(fd)
+
+
+def _storage_read_bytes() -> int | None:
+    """Bytes this process has had read from storage (``/proc/self/io``'s ``read_bytes``:
+    what the page cache did not hold), None where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as fh:
+            for line in fh:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def _byte_views(state: dict) -> list[memoryview]:
@@ -340,8 +397,11 @@ def main() -> None:
     blocked: dict[str, list[float]] = {k: [] for k in async_savers}
     loaders = ["ours", "dcp", "no_read_floor"]
     load_s: dict[str, list[float]] = {k: [] for k in loaders}
-    cold_loaders = ["ours", "dcp"]
+    cold_loaders = ["ours", "dcp", "read_bound"]
     cold_s: dict[str, list[float]] = {k: [] for k in cold_loaders}
+    # MiB the kernel read from storage during each cold load, all ranks together (None
+    # where /proc/self/io is missing)
+    cold_read: dict[str, list[float | None]] = {k: [] for k in cold_loaders}
     for r in range(args.rounds):
         flip = r % 2 == 1
         for who in reversed(savers) if flip else savers:
@@ -369,13 +429,28 @@ def main() -> None:
             load_s[who].append(_timed(lambda t=target, rd=reader: dcp.load(t, storage_reader=rd)))
         for who in reversed(cold_loaders) if flip else cold_loaders:
             target = _by_columns(state)
-            where = base / "ours" if who == "ours" else base / f"dcp-{r}"
+            where = {"ours": base / "ours", "dcp": base / f"dcp-{r}"}.get(who)
+            where = where or base / f"direct-{r}"
             _evict(where)
-            if who == "ours":
-                reader = StorageReader(str(where), step=r)
+            before = _storage_read_bytes()
+            if who == "read_bound":
+                cold_s[who].append(_timed(lambda w=where: _read_bound(w)))
             else:
-                reader = dcp.FileSystemReader(str(where))
-            cold_s[who].append(_timed(lambda t=target, rd=reader: dcp.load(t, storage_reader=rd)))
+                reader = (
+                    StorageReader(str(where), step=r)
+                    if who == "ours"
+                    else dcp.FileSystemReader(str(where))
+                )
+                cold_s[who].append(
+                    _timed(lambda t=target, rd=reader: dcp.load(t, storage_reader=rd))
+                )
+            after = _storage_read_bytes()
+            read = torch.tensor([-1 if before is None or after is None else after - before])
+            dist.all_reduce(read, op=dist.ReduceOp.MIN)  # -1 anywhere: unknown
+            unknown = int(read.item()) < 0
+            read = torch.tensor([0 if unknown else after - before])  # type: ignore[operator]
+            dist.all_reduce(read)
+            cold_read[who].append(None if unknown else round(int(read.item()) / 2**20, 1))
         if rank == 0:  # as it goes: a run cut short still shows its rounds
             last = {
                 name: {k: round(v[-1], 3) for k, v in times.items()}
@@ -404,6 +479,7 @@ def main() -> None:
                     "async_blocked_s": blocked,
                     "layout_changing_load_s": load_s,
                     "cold_layout_changing_load_s": cold_s,
+                    "cold_load_read_MiB": cold_read,
                     "save_MiB_per_s": {k: round(mib / v, 1) for k, v in med.items()},
                     "throughput_ratio_ours_over": {
                         k: round(v / med["ours"], 3)
@@ -434,6 +510,12 @@ def main() -> None:
                         ),
                         "load_ratio_no_read_floor_over_dcp": round(
                             med_load["no_read_floor"] / med_load["dcp"], 3
+                        ),
+                        # DCP's planning and every byte read once, cold: the least share
+                        # of DCP's cold load a reader that needs every byte could take
+                        "cold_load_ratio_floor_over_dcp": round(
+                            (med_load["no_read_floor"] + med_cold["read_bound"]) / med_cold["dcp"],
+                            3,
                         ),
                     },
                     "objects_per_step": {

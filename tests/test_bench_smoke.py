@@ -332,11 +332,16 @@ def test_dcp_plugin_runs_with_its_bounds(tmp_path):
     out = json.loads(proc.stdout[proc.stdout.index("{\n") :])
     assert {"ours", "dcp", "disk_bound", "direct_bound"} <= set(out["save_s"]), out
     assert set(out["layout_changing_load_s"]) == {"ours", "dcp", "no_read_floor"}, out
-    assert set(out["cold_layout_changing_load_s"]) == {"ours", "dcp"}, out
+    assert set(out["cold_layout_changing_load_s"]) == {"ours", "dcp", "read_bound"}, out
+    # what each cold load read from storage, all ranks together: a size, or None where the
+    # kernel does not say
+    assert set(out["cold_load_read_MiB"]) == {"ours", "dcp", "read_bound"}, out
+    for reads in out["cold_load_read_MiB"].values():
+        assert len(reads) == 1 and (reads[0] is None or reads[0] >= 0), out
     ratios = [out["load_ratio_ours_over_dcp"], out["cold_load_ratio_ours_over_dcp"]]
     ratios += out["bounds"].values()
     ratios += out["throughput_ratio_ours_over"].values()
     ratios += out["blocked_ratio_ours_over"].values()
-    assert len(out["bounds"]) == 5, out
+    assert len(out["bounds"]) == 6, out
     for value in ratios:
         assert math.isfinite(value) and value > 0, out
