@@ -65,10 +65,14 @@ class EngineRoots:
     def close(self) -> None:
         """Release every root (``engine.close()``): storage clients hold no files open
         between calls, so releasing them is dropping them. The memories go too: a closed
-        engine saves nothing more."""
+        engine saves nothing more. Each root's removal of retired steps finishes first
+        ([Note: retention off the save's path] in zerostate/store/root.py)."""
         with self._lock:
+            roots = [root for entries in self._roots.values() for _, root in entries]
             self._roots.clear()
             self._memories.clear()
+        for root in roots:
+            root.wait_for_retention()
 
 
 def _identify(path: Any, storage_options: dict | None) -> tuple[str, Any]:

@@ -428,6 +428,8 @@ class MemorySave:
         record: Any,
         tag: int,
     ) -> None:
+        # Not beside a removal of retired steps ([Note: retention off the save's path]).
+        self.durable.wait_for_retention()
         storage, directory = self.durable.storage, fmt.step_dir(step)
         own = [
             row_path(g, rank) for g, rows in sorted(record.rows.items()) if rows[rank] is not None

@@ -123,9 +123,13 @@ class StorageWriter(dcp_storage.StorageWriter):
         """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
 
     def close(self) -> None:
-        """Drops the staging buffers kept for the next save."""
+        """Drops the staging buffers kept for the next save and waits until the steps
+        ``keep_last`` retired are removed ([Note: retention off the save's path] in
+        zerostate/store/root.py)."""
         self._gc.release()
         self._staging.close()
+        if self._root is not None:
+            self._root.wait_for_retention()
 
     # ------------------------------------------------------------- DCP interface
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:

@@ -51,6 +51,8 @@ class LocalStorage(Storage):
         self.root = root
         self._lock = threading.Lock()
         self._dirty_dirs: set[str] = set()
+        # Held through a whole sync_dirs ([Note: one directory sync at a time]).
+        self._sync_lock = threading.Lock()
         self._real_root_cache: str | None = None
         #: Large objects past the page cache ([Note: direct writes]): on unless
         #: ``ZEROSTATE_DIRECT_WRITES=0`` (None) or False here; off once the filesystem refused it.
@@ -278,6 +280,20 @@ class LocalStorage(Storage):
         return blocks
 
     def sync_dirs(self) -> None:
+        """fsync every directory changed since the last sync.
+
+        [Note: one directory sync at a time]
+        A call takes the set of changed directories and fsyncs them. Two threads of one
+        storage (a save's and the thread removing retired steps, [Note: retention off the
+        save's path] in root.py) could otherwise interleave so that the second took an
+        empty set and returned while the first was still fsyncing the second's
+        directories: a save would then write its commit record before its rows' directory
+        entries were durable. Held through the fsyncs, the lock makes every call return
+        only once each directory changed before it began is durable."""
+        with self._sync_lock:
+            self._sync_dirs()
+
+    def _sync_dirs(self) -> None:
         with self._lock:
             dirs, self._dirty_dirs = sorted(self._dirty_dirs, key=len, reverse=True), set()
         for d in dirs:
