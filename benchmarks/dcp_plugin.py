@@ -157,15 +157,16 @@ def _disk_bound(state: dict, path: Path) -> None:
     ``read_bound`` over DCP's cold load: the least share of it such a reader could take
     here (an estimate: the two are timed apart). In two runs on 2026-12-07 (``io``, 2 ranks,
     3 rounds) it was 0.275 and 0.332, with our cold load at 0.337 and 0.457 of DCP's: each
-    load, ours and DCP's, read the 282 MiB from the disk once. Starting each rank's reads at
-    a different place in its boxes, so that the ranks fetch different stretches at once,
-    made our cold load slower in a third run (0.46-0.51 s against 0.37-0.44 s), and is not
-    done. ``no_read_floor`` is ``dcp.load`` with
-    nothing read: DCP's own metadata read, planning and collectives, which any
-    ``StorageReader`` pays as well. Its
-    median was 0.28-0.61 of ``FileSystemReader``'s whole layout-changing load in three runs
-    on 2026-12-06 and 0.12 in a run on 2026-12-07 (single rounds 0.06-0.08 s against
-    0.07-0.26 s): the floor moves with the state of the machine as much as the loads do."""
+    load, ours and DCP's, read the 282 MiB from the disk once. It is a guide, not a proof:
+    in a third run (5 rounds) the bare reads were slower (0.28-0.49 s) and the figure 0.68,
+    while our reader took 0.646 of DCP's cold load. Starting each rank's reads at a
+    different place in its boxes, so that the ranks fetch different stretches at once, made
+    our cold load slower in another run (0.46-0.51 s against 0.37-0.44 s), and is not done.
+    ``no_read_floor`` is ``dcp.load`` with nothing read: DCP's own metadata read, planning
+    and collectives, which any ``StorageReader`` pays as well. Its median was 0.28-0.61 of
+    ``FileSystemReader``'s whole layout-changing load in three runs on 2026-12-06 and 0.12
+    in a run on 2026-12-07 (single rounds 0.06-0.08 s against 0.07-0.26 s): the floor
+    moves with the state of the machine as much as the loads do."""
     path.mkdir(parents=True, exist_ok=True)
     views = _byte_views(state)
     fd = os.open(path / f"rank{dist.get_rank()}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
