@@ -454,16 +454,16 @@ class CheckpointRoot:
         [Note: retention off the save's path]
         Removing a step's data is the filesystem freeing its blocks (or an object store
         deleting its objects), and it grows with the step: 0.07 s for the 294 MB of two
-        row objects on this project's machine (ext4), about as long as the rest of a
-        2-rank save's commit, and every rank of a save waits for it. So a save retires
+        row objects on this project's machine (ext4), twice as long as the rest of a 2-rank
+        save's commit, and every rank of a save waits for it. So a save retires
         steps in two parts. Before it returns, each retired step's commit record is
         removed (newest first) and the removal made durable: from then on no reader,
         listing or later save sees those steps as committed. Their data is then removed on
         a thread of this root, while training goes on. The next operation of this root that
-        lists, writes or deletes steps (the next save's guard above all) waits for that
-        thread first, so two removals never overlap and no save writes beside one
-        (listing and reading need not wait: a step being removed is already partial); the
-        thread is not a daemon, so a process that exits waits for it. A crash in between
+        writes or deletes steps (the next save's guard above all) waits for that thread
+        first, so two removals never overlap and no save writes beside one (a listing or a
+        read need not wait: a step being removed is already partial); the thread is not a
+        daemon, so a process that exits waits for it. A crash in between
         leaves partial steps, which the next save's retention removes as it removes any
         crashed save's."""
         try:
