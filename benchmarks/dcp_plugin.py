@@ -430,8 +430,7 @@ def main() -> None:
             load_s[who].append(_timed(lambda t=target, rd=reader: dcp.load(t, storage_reader=rd)))
         for who in reversed(cold_loaders) if flip else cold_loaders:
             target = _by_columns(state)
-            where = {"ours": base / "ours", "dcp": base / f"dcp-{r}"}.get(who)
-            where = where or base / f"direct-{r}"
+            where = {"ours": base / "ours", "dcp": base / f"dcp-{r}"}.get(who, base / f"direct-{r}")
             _evict(where)
             before = _storage_read_bytes()
             if who == "read_bound":
@@ -446,12 +445,11 @@ def main() -> None:
                     _timed(lambda t=target, rd=reader: dcp.load(t, storage_reader=rd))
                 )
             after = _storage_read_bytes()
-            read = torch.tensor([-1 if before is None or after is None else after - before])
-            dist.all_reduce(read, op=dist.ReduceOp.MIN)  # -1 anywhere: unknown
-            unknown = int(read.item()) < 0
-            read = torch.tensor([0 if unknown else after - before])  # type: ignore[operator]
+            known = before is not None and after is not None
+            # [bytes read, ranks that cannot say]: summed over ranks in one collective
+            read = torch.tensor([after - before if known else 0, 0 if known else 1])  # type: ignore[operator]
             dist.all_reduce(read)
-            cold_read[who].append(None if unknown else round(int(read.item()) / 2**20, 1))
+            cold_read[who].append(None if read[1] else round(int(read[0]) / 2**20, 1))
         if rank == 0:  # as it goes: a run cut short still shows its rounds
             last = {
                 name: {k: round(v[-1], 3) for k, v in times.items()}

@@ -33,9 +33,8 @@ def _saved(tmp: Path, steps) -> CheckpointRoot:
 class _HeldRemoval:
     """Makes the root's storage wait in ``remove_tree`` until released."""
 
-    def __init__(self, root: CheckpointRoot, monkeypatch) -> None:
+    def __init__(self, storage, monkeypatch) -> None:
         self.release, self.entered = threading.Event(), threading.Event()
-        storage = root.storage
         original = storage.remove_tree
 
         def held(path: str) -> None:
@@ -49,7 +48,7 @@ class _HeldRemoval:
 def test_retired_steps_stop_being_committed_before_retain_returns(tmp_path, monkeypatch):
     root = _saved(tmp_path, range(4))
     (tmp_path / fmt.step_dir(9)).mkdir()  # a crashed save's partial step, below the saved one
-    held = _HeldRemoval(root, monkeypatch)
+    held = _HeldRemoval(root.storage, monkeypatch)
     root.check_save(10)  # the save guard's listing, which retention reuses
     save_tensors(root.storage, 10, {"model/w": torch.zeros(3)})
     start = time.perf_counter()
@@ -70,7 +69,7 @@ def test_retired_steps_stop_being_committed_before_retain_returns(tmp_path, monk
 
 def test_the_next_save_guard_waits_for_the_removal(tmp_path, monkeypatch):
     root = _saved(tmp_path, range(3))
-    held = _HeldRemoval(root, monkeypatch)
+    held = _HeldRemoval(root.storage, monkeypatch)
     root.retain(2, keep_last=1)
     assert held.entered.wait(10)
     done = threading.Event()
@@ -142,19 +141,11 @@ def test_dcp_writer_close_waits_for_the_removal(tmp_path, monkeypatch):
     writer = StorageWriter(root, keep_last=1)
     state = {"w": torch.arange(1031.0)}
     dcp.save(state, storage_writer=writer, no_dist=True)
-    released = threading.Event()
-    storage = writer._open_root().storage
-    original = storage.remove_tree
-
-    def held(path: str) -> None:
-        assert released.wait(30)
-        original(path)
-
-    monkeypatch.setattr(storage, "remove_tree", held)
+    held = _HeldRemoval(writer._open_root().storage, monkeypatch)
     dcp.save(state, storage_writer=writer, no_dist=True)  # retires step 0
     assert open_checkpoint(root).steps() == [1]
     assert (Path(root) / fmt.step_dir(0)).exists()
-    threading.Timer(0.3, released.set).start()
+    threading.Timer(0.3, held.release.set).start()
     writer.close()
     assert not (Path(root) / fmt.step_dir(0)).exists()
 

@@ -347,9 +347,7 @@ class CheckpointRoot:
         if candidates:  # see [Note: tensor references] in refs.py
             referenced = refs.kept_steps(self._storage, committed)
             candidates = [s for s in candidates if referenced is not None and s not in referenced]
-        for step in candidates:
-            self._storage.remove_tree(fmt.step_dir(step))
-        self._storage.sync_dirs()
+        self._remove_trees(candidates)
         return candidates
 
     def prune(
