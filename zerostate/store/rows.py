@@ -352,12 +352,111 @@ def _piece(source: Source, offset: int, nbytes: int) -> Any:
     return source[offset : offset + nbytes]
 
 
+#: Inner chunks smaller than this are written in batches ([Note: batched small chunks]).
+BATCH_BELOW_NBYTES = 16 << 10
+#: About the most stored bytes one batch holds.
+BATCH_NBYTES = 4 << 20
+
+
 def row_parts(
     plan: GroupPlan, rank: int, sources: dict[str, Source], chunk_crcs: bytearray
 ) -> Iterator[Any]:
-    """The bytes of ``rank``'s row object of ``plan``, in pieces that are mostly views of
-    the sources (no copy): stored inner chunks each followed by its crc32c, then the shard
-    index and its crc32c. The chunk checksums are appended to ``chunk_crcs``."""
+    """The bytes of ``rank``'s row object of ``plan``: stored inner chunks each followed by
+    its crc32c, then the shard index and its crc32c. The chunk checksums are appended to
+    ``chunk_crcs``. Large inner chunks come as views of the sources (no copy), small ones
+    in batches of many chunks ([Note: batched small chunks])."""
+    if plan.inner < BATCH_BELOW_NBYTES:
+        chunks = _batched_chunks(plan, rank, sources, chunk_crcs)
+    else:
+        chunks = _chunk_views(plan, rank, sources, chunk_crcs)
+    yield from chunks
+    index = plan.index_bytes(rank)
+    yield index
+    yield crc32c.crc32c(index).to_bytes(CHECKSUM_NBYTES, "little")
+
+
+def _batched_chunks(
+    plan: GroupPlan, rank: int, sources: dict[str, Source], chunk_crcs: bytearray
+) -> Iterator[memoryview]:
+    """The stored inner chunks of ``rank``'s row, a batch of them per part.
+
+    [Note: batched small chunks]
+    The default inner chunk shrinks as a group's tensors grow in number
+    (:func:`inner_chunk_nbytes`): a DCP step stores one tensor per chunk DCP planned, and
+    a 2-rank FSDP2 state of 38 MB got 512-byte chunks, about 37,000 per row. Handed to the
+    storage one chunk at a time, with a checksum call, a yield and a copy into the write
+    buffer each, the Python work kept the row's write at 60-70 ms of a 137-172 ms save
+    where the disk needed about 20. Such chunks are now built a batch at a time: the
+    batch is an array of stored chunks (payload, then crc32c), each source span placed
+    with at most three copies (a partial first chunk, whole chunks as one strided copy, a
+    partial last one), gaps left zero, then one checksum call per chunk. The bytes are
+    exactly those of :func:`_chunk_views`. The row's write of that save took 40-46 ms.
+    The batch costs one more copy of the row, so it pays only for small chunks: the CPU
+    time to produce a row and copy it into a write buffer, one chunk at a time against
+    batched, was 0.090 against 0.021-0.026 s for a 19 MiB row at 512 bytes, 0.110-0.120
+    against 0.057-0.064 s for 140 MiB at 4 KiB, 0.064-0.066 against 0.048-0.050 s at
+    8 KiB, and 0.034-0.036 against 0.047-0.048 s at 32 KiB: chunks of
+    ``BATCH_BELOW_NBYTES`` and more still go as views.
+    """
+    spans = plan.spans(rank)
+    size = plan.inner
+    stride = size + CHECKSUM_NBYTES
+    per_batch = max(1, BATCH_NBYTES // stride)
+    crc = crc32c.crc32c
+    k = 0
+    for first, stop in plan.present(rank):
+        for j0 in range(first, stop, per_batch):
+            j1 = min(stop, j0 + per_batch)
+            n = j1 - j0
+            lo, hi = j0 * size, j1 * size
+            block = np.zeros((n, stride), dtype=np.uint8)
+            while k < len(spans) and spans[k][1] <= lo:
+                k += 1
+            i = k
+            while i < len(spans) and spans[i][0] < hi:
+                s_lo, s_hi, slot = spans[i]
+                a, b = max(s_lo, lo), min(s_hi, hi)
+                src = np.frombuffer(_piece(sources[slot.name], a - s_lo, b - a), dtype=np.uint8)
+                _place(block, a - lo, b - lo, src, size)
+                i += 1
+            flat = memoryview(block.reshape(-1))
+            crcs = np.fromiter(
+                (crc(flat[at : at + size]) for at in range(0, n * stride, stride)),
+                dtype="<u4",
+                count=n,
+            )
+            block[:, size:] = crcs.view(np.uint8).reshape(n, CHECKSUM_NBYTES)
+            chunk_crcs += crcs.tobytes()
+            yield flat
+
+
+def _place(block: np.ndarray, u: int, v: int, src: np.ndarray, size: int) -> None:
+    """Put payload bytes ``[u, v)`` of a batch (``block``: one stored chunk per row, the
+    payload in its first ``size`` columns) from ``src``: a partial first chunk, whole
+    chunks in one strided copy, a partial last chunk."""
+    r0, o0 = divmod(u, size)
+    r1, o1 = divmod(v, size)
+    if r0 == r1:
+        block[r0, o0:o1] = src
+        return
+    at = 0
+    if o0:
+        at = size - o0
+        block[r0, o0:size] = src[:at]
+        r0 += 1
+    if r1 > r0:
+        n = (r1 - r0) * size
+        block[r0:r1, :size] = src[at : at + n].reshape(r1 - r0, size)
+        at += n
+    if o1:
+        block[r1, :o1] = src[at:]
+
+
+def _chunk_views(
+    plan: GroupPlan, rank: int, sources: dict[str, Source], chunk_crcs: bytearray
+) -> Iterator[Any]:
+    """The stored inner chunks of ``rank``'s row in pieces that are mostly views of the
+    sources (no copy): each chunk's payload, then its crc32c."""
     spans = plan.spans(rank)
     size = plan.inner
     zeros = memoryview(bytes(size))
@@ -391,6 +490,3 @@ def row_parts(
             tail = crc.to_bytes(CHECKSUM_NBYTES, "little")
             chunk_crcs += tail
             yield tail
-    index = plan.index_bytes(rank)
-    yield index
-    yield crc32c.crc32c(index).to_bytes(CHECKSUM_NBYTES, "little")
