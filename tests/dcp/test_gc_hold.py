@@ -57,8 +57,11 @@ def test_a_process_that_froze_its_own_objects_keeps_them_frozen():
     frozen = gc.get_freeze_count()
     hold = GcHold()
     hold.hold()
+    assert gc.get_freeze_count() <= frozen, "froze the process's objects a second time"
     hold.release()
-    assert gc.get_freeze_count() == frozen
+    # Still frozen, nothing more. Not equal: a frozen object that dies meanwhile (another
+    # test's thread finishing in this process) leaves the count.
+    assert 0 < gc.get_freeze_count() <= frozen
 
 
 def test_a_collector_that_is_off_is_left_alone():

@@ -30,9 +30,11 @@ _scalars = (
 )
 _values = st.recursive(
     _scalars,
-    lambda inner: st.lists(inner, max_size=5)
-    | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
     max_leaves=40,
 )
 
@@ -90,3 +92,39 @@ def test_a_cycle_is_refused_as_json_refuses_it():
     cycle.append(cycle)
     with pytest.raises(ValueError, match="Circular reference"):
         fmt.dumps(cycle)
+
+
+def _wrap_some(value, draw_bits):
+    """``value`` with some of its nested values replaced by their encoded form."""
+    if isinstance(value, dict):
+        value = {k: _wrap_some(v, draw_bits) for k, v in value.items()}
+    elif isinstance(value, (list, tuple)):
+        value = [_wrap_some(v, draw_bits) for v in value]
+    return fmt.encoded(value) if draw_bits() else value
+
+
+@settings(max_examples=300, deadline=None)
+@given(_values, st.randoms(use_true_random=False))
+def test_an_encoded_value_is_written_as_its_value_at_any_depth(value, rng):
+    """[Note: a value encoded once] in zerostate.store.format."""
+    wrapped = _wrap_some(value, lambda: rng.random() < 0.4)
+    assert fmt.dumps(wrapped) == _reference(value)
+    assert fmt.dumps({"a": {"b": [wrapped]}}) == _reference({"a": {"b": [value]}})
+
+
+def test_an_encoded_value_survives_the_json_dumps_fallback():
+    inner = {"x": [1, 2.5, "a\nb"], "y": {"z": None}}
+    # A non-str key sends the whole document to json.dumps.
+    doc = {1: "int key", 2: {"deeper": fmt.encoded(inner)}}
+    assert fmt.dumps(doc) == _reference({1: "int key", 2: {"deeper": inner}})
+    with pytest.raises(TypeError, match="set"):
+        fmt.dumps({1: fmt.encoded(inner), 2: {1, 2}})
+
+
+def test_the_writer_digest_is_the_same_with_the_text_kept():
+    from zerostate.store import format2
+
+    tensors = {"m/w": {"shape": [3, 5], "dtype": "float32", "note": "line\nbreak"}, "m/b": {}}
+    digest, doc = format2.tensors_digest(tensors)
+    assert digest == format2.writer_digest(tensors, {}, None)
+    assert doc.value is tensors and fmt.dumps(doc) == _reference(tensors)

@@ -92,6 +92,13 @@ def writer_digest(
     return fmt.specs_digest(digested)
 
 
+def tensors_digest(tensors: dict[str, dict]) -> tuple[str, fmt.Encoded]:
+    """:func:`writer_digest` of a writer without refs or views, with the tensor entries'
+    canonical text kept for the commit record ([Note: a value encoded once] in format.py)."""
+    doc = fmt.encoded(tensors)
+    return fmt.specs_digest(doc), doc
+
+
 def group_entries(plans: dict[str, GroupPlan], rows: dict[str, list[dict | None]]) -> dict:
     return {
         g: {"inner_chunk_nbytes": p.inner, "row_nbytes": p.row_nbytes, "rows": rows[g]}

@@ -183,7 +183,12 @@ class StepWriter:
         if meshes and refs:
             raise ConfigError("a step with mesh tensors cannot refer to tensors of other steps")
         self._version = mesh_mod.VERSION if meshes else format2.VERSION
-        self._digest = format2.writer_digest(self._tensors_json, self._refs_json, views)
+        #: The tensor entries as the commit record holds them: encoded once, with the digest.
+        self._tensors_doc: dict | fmt.Encoded = self._tensors_json
+        if self._refs_json or views:
+            self._digest = format2.writer_digest(self._tensors_json, self._refs_json, views)
+        else:
+            self._digest, self._tensors_doc = format2.tensors_digest(self._tensors_json)
         #: Rank 0: the digest each rank's manifest must carry where it is not rank 0's own
         #: (ranks written with row views: [Note: row views] in ``rows.py``).
         self._manifest_digests = dict(manifest_digests or {})
@@ -524,7 +529,7 @@ class StepWriter:
         # Validate what we are about to commit exactly as a reader will.
         format2.parse_commit_record(record, self.step, f"commit record of {self.url}")
         try:
-            doc = fmt.group_document({"zerostate_commit": record})
+            doc = fmt.group_document({"zerostate_commit": {**record, "tensors": self._tensors_doc}})
         except (TypeError, ValueError) as exc:  # attrs given to commit() that JSON cannot hold
             raise ConfigError(
                 f"step {self.step}: attrs must be JSON-serialisable without NaN/inf ({exc}); "
