@@ -10,6 +10,7 @@ import pytest
 
 from zerostate.errors import UnsafeNameError
 from zerostate.layout.partition import TensorLayout, even_layout
+from zerostate.store import rows
 from zerostate.store.local import LocalStorage
 from zerostate.store.rows import plan_groups
 
@@ -115,9 +116,13 @@ def test_plain_paths_cost_no_realpath(tmp_path, monkeypatch):
     assert bytes(buf) == b"de!!" and calls == []
 
 
+@pytest.mark.parametrize("block", [None, 1, 7])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7, 128])
-def test_one_rank_row_size_equals_the_vectorised_sizes(world_size):
-    """``check_row`` sizes one rank's row; the writer sizes every rank at once."""
+def test_one_rank_row_size_equals_the_vectorised_sizes(world_size, block, monkeypatch):
+    """``check_row`` sizes one rank's row; the writer sizes every rank at once, in blocks
+    of slots (a slot per block, or a few, carry what is covered from block to block)."""
+    if block is not None:
+        monkeypatch.setattr(rows, "_SIZES_BLOCK", block * world_size)
     rng = np.random.default_rng(world_size)
     entries = [("g0/empty", even_layout(0, world_size), 4)]
     for k in range(40):

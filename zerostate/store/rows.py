@@ -143,21 +143,41 @@ class GroupPlan:
         return self._sizes
 
     def _object_sizes(self) -> np.ndarray:
-        ranks = np.arange(self.world_size, dtype=np.int64)
-        covered = np.zeros(self.world_size, dtype=np.int64)  # stored chunks [0, covered)
-        count = np.zeros(self.world_size, dtype=np.int64)
-        for slot in self.slots:  # ascending offsets, as ``present`` walks them
-            lay = slot.layout
-            if not lay.num_chunks:
-                continue
-            index = (ranks - lay.first_owner) % self.world_size
-            owned = np.clip(lay.numel - index * lay.chunk_numel, 0, lay.chunk_numel)
+        # Blocks of slots x ranks at once: a loop over slots took 13 ms of rank 0's commit
+        # for the 2,670 pieces of a 2-rank DCP step. ``covered`` (stored chunks [0, covered)
+        # so far) is a running maximum down the slots, carried from block to block.
+        world = self.world_size
+        ranks = np.arange(world, dtype=np.int64)
+        covered = np.zeros(world, dtype=np.int64)
+        count = np.zeros(world, dtype=np.int64)
+        slots = [s for s in self.slots if s.layout.num_chunks]  # ascending offsets
+        per_block = max(1, _SIZES_BLOCK // world)
+        for b in range(0, len(slots), per_block):
+            block = slots[b : b + per_block]
+            numel, chunk, owner, offset, itemsize = (
+                np.array(column, dtype=np.int64)[:, None]
+                for column in zip(
+                    *(
+                        (
+                            s.layout.numel,
+                            s.layout.chunk_numel,
+                            s.layout.first_owner,
+                            s.offset,
+                            s.itemsize,
+                        )
+                        for s in block
+                    ),
+                    strict=True,
+                )
+            )
+            index = (ranks - owner) % world
+            owned = np.clip(numel - index * chunk, 0, chunk)
             has = owned > 0
-            first = slot.offset // self.inner
-            stop = -(-(slot.offset + owned * slot.itemsize) // self.inner)
-            new = np.where(has, stop - np.maximum(first, covered), 0)
-            count += np.maximum(new, 0)
-            covered = np.where(has, np.maximum(covered, stop), covered)
+            stop = np.where(has, -(-(offset + owned * itemsize) // self.inner), 0)
+            reach = np.maximum.accumulate(np.vstack([covered, stop]), axis=0)
+            new = np.where(has, stop - np.maximum(offset // self.inner, reach[:-1]), 0)
+            count += np.maximum(new, 0).sum(axis=0)
+            covered = reach[-1]
         return np.where(count > 0, count * self.stored_chunk_nbytes + self.index_nbytes, 0)
 
     def position(self, rank: int, chunk: int) -> int | None:
@@ -354,6 +374,8 @@ def _piece(source: Source, offset: int, nbytes: int) -> Any:
 
 #: Inner chunks smaller than this are written in batches ([Note: batched small chunks]).
 BATCH_BELOW_NBYTES = 16 << 10
+#: Most slots x ranks :meth:`GroupPlan.object_sizes` takes at once.
+_SIZES_BLOCK = 1 << 20
 #: About the most stored bytes one batch holds.
 BATCH_NBYTES = 4 << 20
 
