@@ -1,11 +1,13 @@
 """Small inner chunks are written a batch at a time ([Note: batched small chunks] in
 zerostate/store/rows.py): the bytes and the chunk checksums are exactly those of the
-chunk-at-a-time path, for any plan, rank, inner size and batch size."""
+chunk-at-a-time path, for any plan, rank, inner size and batch size; the shard index,
+built per run of chunks, is the one built chunk by chunk."""
 
 from __future__ import annotations
 
 import math
 import random
+import struct
 
 import crc32c
 import numpy as np
@@ -115,3 +117,20 @@ def _lazy(data: np.ndarray, log: list[tuple[int, int]]) -> LazyShard:
         return data[offset : offset + nbytes].tobytes()
 
     return LazyShard(data.size, torch.uint8, read)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_shard_index_lists_each_stored_chunk_in_order(seed):
+    """The index (built per run of stored chunks) against one built chunk by chunk."""
+    rng = random.Random(2000 + seed)
+    world_size = rng.randint(1, 4)
+    plan, _ = _plan(seed, world_size, rng.choice([256, 512, 4096]))
+    stride = plan.stored_chunk_nbytes
+    for rank in range(world_size):
+        entries = [rows.MISSING, rows.MISSING] * plan.num_inner
+        pos = 0
+        for a, b in plan.present(rank):
+            for j in range(a, b):
+                entries[2 * j], entries[2 * j + 1] = pos * stride, stride
+                pos += 1
+        assert plan.index_bytes(rank) == struct.pack(f"<{2 * plan.num_inner}Q", *entries)

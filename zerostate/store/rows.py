@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,14 +189,14 @@ class GroupPlan:
 
     def index_bytes(self, rank: int) -> bytes:
         """The shard index (without its crc32c) of ``rank``'s row."""
-        entries = [MISSING, MISSING] * self.num_inner
-        pos = 0
+        # Per run of stored chunks, not per chunk: a DCP step's row has tens of thousands.
+        entries = np.full((self.num_inner, 2), MISSING, dtype="<u8")
+        stride, pos = self.stored_chunk_nbytes, 0
         for a, b in self.present(rank):
-            for j in range(a, b):
-                entries[2 * j] = pos * self.stored_chunk_nbytes
-                entries[2 * j + 1] = self.stored_chunk_nbytes
-                pos += 1
-        return struct.pack(f"<{2 * self.num_inner}Q", *entries)
+            entries[a:b, 0] = np.arange(pos, pos + b - a, dtype=np.uint64) * np.uint64(stride)
+            entries[a:b, 1] = stride
+            pos += b - a
+        return entries.tobytes()
 
     def tensors_in_chunk(self, rank: int, chunk: int) -> list[str]:
         """Names of the tensors whose stored bytes in ``rank``'s row touch ``chunk``."""
