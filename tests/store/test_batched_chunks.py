@@ -134,3 +134,36 @@ def test_the_shard_index_lists_each_stored_chunk_in_order(seed):
                 entries[2 * j], entries[2 * j + 1] = pos * stride, stride
                 pos += 1
         assert plan.index_bytes(rank) == struct.pack(f"<{2 * plan.num_inner}Q", *entries)
+
+
+def test_an_object_store_upload_holds_one_copy_of_a_batched_row(monkeypatch):
+    """Below the multipart size an object is uploaded from one buffer that the parts are
+    copied into as they come, not joined from all of them at once (twice the object)."""
+    import tracemalloc
+
+    from zerostate.errors import StorageError
+    from zerostate.store.fsspec_storage import _gathered
+
+    monkeypatch.setattr(rows, "BATCH_NBYTES", 64 << 10)
+    entries = [(f"g/t{i}", TensorLayout(50_000 + i, 2, 50_000 + i, 0), 4) for i in range(8)]
+    plan = plan_groups(entries, 2, inner={"g": 512})["g"]
+    gen = np.random.default_rng(0)
+    sources = {
+        s.name: memoryview(gen.integers(0, 255, s.layout.numel * 4, dtype=np.uint8))
+        for s in plan.slots
+    }
+    nbytes = plan.object_nbytes(0)
+    whole = b"".join(bytes(p) for p in row_parts(plan, 0, sources, bytearray()))
+    tracemalloc.start()
+    try:
+        got = _gathered(row_parts(plan, 0, sources, bytearray()), nbytes)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert bytes(got) == whole and len(whole) == nbytes > 1_500_000
+    # The object plus about a batch and the index, not every batch and a joined copy.
+    assert peak < nbytes + 4 * rows.BATCH_NBYTES + plan.index_nbytes
+    with pytest.raises(StorageError, match="given more"):
+        _gathered([b"abc", b"de"], 4)
+    with pytest.raises(StorageError, match="given 3"):
+        _gathered([b"abc"], 4)

@@ -131,7 +131,7 @@ class FsspecStorage(Storage):
     def _upload(self, target: str, make_parts: Callable[[], Iterable[Buffer]], nbytes: int) -> None:
         """One attempt at writing the object (``write_stream`` retries it)."""
         if nbytes <= STREAM_THRESHOLD:
-            self.fs.pipe_file(target, b"".join(make_parts()))
+            self.fs.pipe_file(target, _gathered(make_parts(), nbytes))
             return
         # A multipart upload: the client holds one STREAM_BLOCK part at a time.
         f = self.fs.open(target, "wb", block_size=STREAM_BLOCK)
@@ -259,3 +259,21 @@ class S3Storage(FsspecStorage):
         target = self._abs(path)
         self._retry("deleting", path, lambda: s3.delete_empty_dirs(self.fs, target))
         self.fs.invalidate_cache(target)
+
+
+def _gathered(parts: Iterable[Buffer], nbytes: int) -> bytearray:
+    """The parts of an ``nbytes`` object in one buffer, each copied in as it arrives and then
+    let go. A row of small inner chunks comes as batches built for this object alone
+    ([Note: batched small chunks] in rows.py): joining them would hold every batch and the
+    joined copy at once, twice the object."""
+    out = bytearray(nbytes)
+    at = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        if at + view.nbytes > nbytes:
+            raise StorageError(f"internal: an object of {nbytes} bytes was given more")
+        out[at : at + view.nbytes] = view
+        at += view.nbytes
+    if at != nbytes:
+        raise StorageError(f"internal: an object of {nbytes} bytes was given {at}")
+    return out
