@@ -252,7 +252,7 @@ class StorageWriter(dcp_storage.StorageWriter):
                     f"{item.index.fqn}: the planner gave a {data.dtype} tensor of shape "
                     f"{list(data.shape)} for a chunk of {piece.dtype} {list(piece.sizes)}"
                 )
-            # The store writes a byte view of a contiguous CPU tensor, without a copy.
+            # The store reads a byte view of a contiguous CPU tensor (no copy made here).
             shards[piece.name] = data.to("cpu").contiguous().reshape(-1)
             results.append(
                 WriteResult(item.index, data.numel() * data.element_size(), ("piece", piece.name))

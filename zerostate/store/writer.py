@@ -261,7 +261,8 @@ class StepWriter:
             if isinstance(shard, LazyShard):
                 accepted[name] = shard
             elif numel:
-                # A byte view of the caller's tensor: the row is written without a copy.
+                # A byte view of the caller's tensor: rows of large inner chunks are written
+                # from it without a copy ([Note: batched small chunks] in rows.py).
                 accepted[name] = memoryview(shard.detach().view(torch.uint8).numpy()).cast("B")
         for name in shards:
             self._given.add(name)
