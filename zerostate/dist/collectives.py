@@ -14,7 +14,11 @@ padding included. Collectives that are not part of training (engine construction
 
 from __future__ import annotations
 
+import atexit
+import gc
 import hashlib
+import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -309,9 +313,9 @@ def _by_segments(kind: str, output: torch.Tensor, input: torch.Tensor, group: An
 
 
 # -- the shared-memory transport ([Note: shared-memory transport] in zerostate.dist.shm) ----
-#: id(process group) -> (the group, its transport or None): the group is kept so that its
-#: id cannot be reused while the entry exists.
-_TRANSPORTS: dict[int, tuple[Any, shm.Transport | None]] = {}
+#: id(process group) -> (a weak reference to the group, its transport or None). Weak, and
+#: the transport's collectives hold the group weakly too ([Note: no group kept to exit]).
+_TRANSPORTS: dict[int, tuple[weakref.ref, shm.Transport | None]] = {}
 
 
 def _transport(tensor: torch.Tensor, group: Any) -> shm.Transport | None:
@@ -327,23 +331,33 @@ def _transport(tensor: torch.Tensor, group: Any) -> shm.Transport | None:
 
 def _group_transport(group: Any) -> shm.Transport | None:
     pg = dist.group.WORLD if group is None else group
+    _GROUPS_USED.add(pg)
     entry = _TRANSPORTS.get(id(pg))
-    if entry is not None and entry[0] is pg:
+    if entry is not None and entry[0]() is pg:  # a dead reference: the id was reused
         return entry[1]
-    for key, (old, _) in list(_TRANSPORTS.items()):
-        if not _registered(old):  # destroyed since: let its mappings go
+    for key, (ref, _) in list(_TRANSPORTS.items()):
+        old = ref()
+        if old is None or not _registered(old):  # destroyed since: let its mappings go
             del _TRANSPORTS[key]
     transport = _new_transport(pg)
-    _TRANSPORTS[id(pg)] = (pg, transport)
+    _TRANSPORTS[id(pg)] = (weakref.ref(pg, _forget_transport), transport)
     return transport
+
+
+def _forget_transport(ref: weakref.ref) -> None:
+    """A group was freed: its entry goes, and with it the transport's mappings."""
+    for key, (entry_ref, _) in list(_TRANSPORTS.items()):
+        if entry_ref is ref:
+            del _TRANSPORTS[key]
 
 
 def shared_memory_bytes() -> tuple[int, int]:
     """Bytes of this process's own shared-memory segments, and of the other ranks'
     segments it maps, over its live groups ([Note: shared-memory transport])."""
     own = peers = 0
-    for pg, transport in _TRANSPORTS.values():
-        if transport is not None and _registered(pg):
+    for ref, transport in list(_TRANSPORTS.values()):
+        pg = ref()
+        if transport is not None and pg is not None and _registered(pg):
             mine, theirs = transport.nbytes()
             own, peers = own + mine, peers + theirs
     return own, peers
@@ -370,12 +384,20 @@ def _new_transport(pg: Any) -> shm.Transport | None:
     if not all(row[0] for row in table):
         return None
 
+    ref = weakref.ref(pg)
+
+    def live() -> Any:
+        group = ref()
+        if group is None:  # nothing runs a collective on a group it no longer holds
+            raise ConfigError("the process group of a shared-memory transport was freed")
+        return group
+
     def barrier() -> None:
-        dist.barrier(group=pg)
+        dist.barrier(group=live())
 
     def all_ok(ok: bool) -> bool:
         failed = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        dist.all_reduce(failed, group=pg)
+        dist.all_reduce(failed, group=live())
         return int(failed.item()) == 0
 
     return shm.Transport(rank, world, table[0][1], barrier, all_ok)
@@ -464,6 +486,8 @@ def release_import_time_group_pins() -> None:
     """
     if not dist.is_available():
         return
+    if dist.is_initialized():
+        _GROUPS_USED.add(dist.group.WORLD)
     import torch.distributed.nn.functional as functional  # loaded now, so nothing binds later
 
     for fn in vars(functional).values():
@@ -479,6 +503,62 @@ def release_import_time_group_pins() -> None:
             for key, value in kwdefaults.items():
                 if isinstance(value, dist.ProcessGroup):
                     kwdefaults[key] = None
+
+
+#: The process groups zerostate ran collectives on, weakly: at exit
+#: :func:`_release_destroyed_group_pins` looks for pins only if one is destroyed but alive.
+_GROUPS_USED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _release_destroyed_group_pins() -> int:
+    """At interpreter exit: function defaults that still hold a destroyed process group are
+    set to ``None``, so the group is freed now; how many functions were changed.
+
+    [Note: no group kept to exit]
+    A gloo group's worker thread drops each finished collective, and a collective whose
+    tensors Python has already let go (an async broadcast, a barrier holding the works
+    queued before it) frees them on that thread, which needs the GIL. When the group is
+    still alive as the interpreter finalises, a worker that asks for the GIL then is ended
+    by Python and the process aborts ("terminate called without an active exception"):
+    seen at the end of runs that had called ``dist.destroy_process_group()``, about 1 in
+    30 on a loaded machine, from a core file: the worker in ``~AsyncBarrierWork`` ->
+    ``~AsyncBroadcastWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` ->
+    ``pthread_exit`` while the main thread was in ``Py_FinalizeEx``'s collection. A group
+    freed before finalisation joins its workers with the GIL released, and they finish.
+
+    So nothing of zerostate keeps a group alive: the shared-memory transports hold theirs
+    by weak reference. Other modules can: DeepSpeed's ``TorchBackend.barrier`` declares
+    ``group=GroupMember.WORLD``, bound when DeepSpeed is imported (the HF Trainer imports it
+    after the group exists), as [Note: pinned default group] describes for torch's own
+    module. ``atexit`` runs before finalisation, so this hook, when a group zerostate used
+    is destroyed and still alive, rebinds such defaults to ``None`` (the default
+    group, which is what they name) and the group is freed. A destroyed group cannot serve
+    a collective, so nothing loses a working default. A group still held another way (a
+    closure, an object's attribute) stays as it was.
+    """
+    if not dist.is_available() or not any(map(_destroyed_group, list(_GROUPS_USED))):
+        return 0  # nothing held: the usual case, and no walk over the heap
+    released = 0
+    for obj in gc.get_objects():
+        if type(obj) is not types.FunctionType:
+            continue
+        defaults, kwdefaults = obj.__defaults__, obj.__kwdefaults__
+        if defaults and any(_destroyed_group(d) for d in defaults):
+            obj.__defaults__ = tuple(None if _destroyed_group(d) else d for d in defaults)
+            released += 1
+        if kwdefaults and any(_destroyed_group(d) for d in kwdefaults.values()):
+            for key, value in list(kwdefaults.items()):
+                if _destroyed_group(value):
+                    kwdefaults[key] = None
+            released += 1
+    return released
+
+
+def _destroyed_group(value: Any) -> bool:
+    return isinstance(value, dist.ProcessGroup) and not _registered(value)
+
+
+atexit.register(_release_destroyed_group_pins)
 
 
 def barrier(*, group: Any) -> None:
