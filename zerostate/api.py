@@ -21,6 +21,7 @@ DCP's planner keeps one copy of each and spreads them over the ranks.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from typing import Any
@@ -40,7 +41,7 @@ from zerostate.dcp import StorageReader
 from zerostate.dcp.common import _check_step, _root_text
 from zerostate.dcp.source import DcpSource
 from zerostate.dcp.staging import StagingBuffers
-from zerostate.dist import collectives
+from zerostate.dist import collectives, lifetime
 from zerostate.dist.coordinator import Coordinator
 from zerostate.errors import CheckpointError, ConfigError, ZerostateError
 
@@ -222,6 +223,7 @@ def _coordinator(process_group: Any, note: str) -> Coordinator:
     rank, world_size = (
         collectives.group_info(process_group) if collectives.is_initialized() else (0, 1)
     )
+    lifetime.track_group(process_group)
     return Coordinator(
         group=process_group,
         rank=rank,
@@ -239,6 +241,7 @@ def _memory_tiers(process_group: Any, coordinator: Coordinator) -> MemoryTiers:
     """The memory tier of ``zerostate.save``'s saves over ``process_group`` (one per group:
     it keeps the group's nodes, its save counts and its background copy to the root)."""
     key = _tiers_key(process_group)
+    _drop_destroyed_tiers()
     tiers = _TIERS.get(key)
     if tiers is None:
         tiers = MemoryTiers(
@@ -246,6 +249,18 @@ def _memory_tiers(process_group: Any, coordinator: Coordinator) -> MemoryTiers:
         )
         _TIERS[key] = tiers
     return tiers
+
+
+def _drop_destroyed_tiers() -> None:
+    """The memory tiers of destroyed groups go, and with them their hold on the groups: at
+    the next save or load, and at exit, before the interpreter finalises ([Note: no group
+    kept to exit] in zerostate.dist.collectives). By then nothing of theirs is in flight:
+    their persistence threads were joined when the interpreter began to exit."""
+    for key in [k for k in _TIERS if lifetime.is_destroyed_group(k)]:
+        del _TIERS[key]
+
+
+atexit.register(_drop_destroyed_tiers)
 
 
 def load(

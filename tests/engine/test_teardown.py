@@ -2,7 +2,8 @@
 
 A process group that outlives ``destroy_process_group()`` keeps gloo's worker threads
 running into interpreter shutdown, where one still releasing a finished collective aborts
-the process (see [Note: pinned default group] in zerostate.dist.collectives).
+the process (see [Note: pinned default group] and [Note: no group kept to exit] in
+zerostate.dist.lifetime).
 """
 
 from __future__ import annotations
@@ -162,11 +163,21 @@ from common import batch, make_engine, make_model
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-engine = make_engine(make_model(), stage=2)
-x, y = batch(0, 0)
-engine.backward(engine(x, y))
-engine.step()
-del engine
+if {client!r} == "engine":
+    engine = make_engine(make_model(), stage=2)
+    x, y = batch(0, 0)
+    engine.backward(engine(x, y))
+    engine.step()
+    del engine
+else:  # torch's checkpoint API through the store's writer and reader
+    import torch.distributed.checkpoint as dcp
+    from zerostate.dcp import StorageReader, StorageWriter
+
+    state = {{"w": torch.arange(6.0).reshape(2, 3)}}
+    dcp.save(state, storage_writer=StorageWriter({root!r}))
+    got = {{"w": torch.zeros(2, 3)}}
+    dcp.load(got, storage_reader=StorageReader({root!r}))
+    assert torch.equal(got["w"], state["w"])
 gc.collect()
 # A library imported once the group exists binds it as a default, as DeepSpeed's
 # TorchBackend.barrier(group=GroupMember.WORLD) does; one keyword-only default too.
@@ -194,14 +205,15 @@ print("alive after destroy:", ref() is not None, flush=True)
 
 
 @pytest.mark.slow
-def test_a_group_another_module_pinned_is_freed_before_finalisation() -> None:
+@pytest.mark.parametrize("client", ["engine", "dcp"])
+def test_a_group_another_module_pinned_is_freed_before_finalisation(client, tmp_path) -> None:
     """[Note: no group kept to exit]: a default argument of another library kept the
     destroyed group (and its gloo workers) alive into interpreter finalisation, where a
     worker releasing a collective aborts the process; the exit hook frees it first. The
     library's functions then take the default group, as the default meant."""
     from helpers_dist import run_script
 
-    proc = run_script(PINNED)
+    proc = run_script(PINNED, client=client, root=str(tmp_path / "ckpt"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     # Still alive after destroy_process_group: the pin is real, not the test's own.
     assert "alive after destroy: True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
@@ -210,11 +222,44 @@ def test_a_group_another_module_pinned_is_freed_before_finalisation() -> None:
 
 
 def test_the_exit_hook_leaves_live_groups_and_other_defaults() -> None:
-    from zerostate.dist import collectives
+    from zerostate.dist import lifetime
 
     def keep(group=None, other=3, *, sentinel="x"):
         return group, other, sentinel
 
     # No group destroyed in this process (or none used): nothing to do, nothing touched.
-    assert collectives._release_destroyed_group_pins() == 0
+    assert lifetime._release_destroyed_group_pins() == 0
     assert keep.__defaults__ == (None, 3) and keep.__kwdefaults__ == {"sentinel": "x"}
+
+
+SAVE_LOAD = """
+import sys, weakref
+import torch, torch.distributed as dist
+import zerostate
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+state = {{"w": torch.arange(6.0).reshape(2, 3)}}
+zerostate.save(state, {root!r})
+got = {{"w": torch.zeros(2, 3)}}
+assert zerostate.load(got, {root!r}) == 0 and torch.equal(got["w"], state["w"])
+
+
+def freed(_):
+    print("group freed while finalizing:", sys.is_finalizing(), flush=True)
+
+
+ref = weakref.ref(dist.group.WORLD, freed)
+dist.destroy_process_group()
+print("alive after destroy:", ref() is not None, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_save_and_load_keep_no_destroyed_group_to_finalisation(tmp_path) -> None:
+    """``zerostate.load`` kept each group's memory tiers, and with them the group, for the
+    life of the process ([Note: no group kept to exit])."""
+    from helpers_dist import run_script
+
+    proc = run_script(SAVE_LOAD, root=str(tmp_path / "ckpt"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "group freed while finalizing: False" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -14,10 +14,7 @@ padding included. Collectives that are not part of training (engine construction
 
 from __future__ import annotations
 
-import atexit
-import gc
 import hashlib
-import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -25,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zerostate.dist import shm
+from zerostate.dist import lifetime, shm
 from zerostate.errors import ConfigError, DistributedMismatchError
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -314,7 +311,8 @@ def _by_segments(kind: str, output: torch.Tensor, input: torch.Tensor, group: An
 
 # -- the shared-memory transport ([Note: shared-memory transport] in zerostate.dist.shm) ----
 #: id(process group) -> (a weak reference to the group, its transport or None). Weak, and
-#: the transport's collectives hold the group weakly too ([Note: no group kept to exit]).
+#: the transport's collectives hold the group weakly too ([Note: no group kept to exit] in
+#: zerostate.dist.lifetime).
 _TRANSPORTS: dict[int, tuple[weakref.ref, shm.Transport | None]] = {}
 
 
@@ -331,13 +329,13 @@ def _transport(tensor: torch.Tensor, group: Any) -> shm.Transport | None:
 
 def _group_transport(group: Any) -> shm.Transport | None:
     pg = dist.group.WORLD if group is None else group
-    _GROUPS_USED.add(pg)
+    lifetime.track_group(pg)
     entry = _TRANSPORTS.get(id(pg))
     if entry is not None and entry[0]() is pg:  # a dead reference: the id was reused
         return entry[1]
     for key, (ref, _) in list(_TRANSPORTS.items()):
         old = ref()
-        if old is None or not _registered(old):  # destroyed since: let its mappings go
+        if old is None or not lifetime.is_registered(old):  # destroyed since: let its mappings go
             del _TRANSPORTS[key]
     transport = _new_transport(pg)
     _TRANSPORTS[id(pg)] = (weakref.ref(pg, _forget_transport), transport)
@@ -357,17 +355,10 @@ def shared_memory_bytes() -> tuple[int, int]:
     own = peers = 0
     for ref, transport in list(_TRANSPORTS.values()):
         pg = ref()
-        if transport is not None and pg is not None and _registered(pg):
+        if transport is not None and pg is not None and lifetime.is_registered(pg):
             mine, theirs = transport.nbytes()
             own, peers = own + mine, peers + theirs
     return own, peers
-
-
-def _registered(pg: Any) -> bool:
-    try:
-        return pg in dist.distributed_c10d._world.pg_map
-    except (AttributeError, TypeError):
-        return True
 
 
 def _new_transport(pg: Any) -> shm.Transport | None:
@@ -464,101 +455,6 @@ def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:
 def is_initialized() -> bool:
     """Whether a default process group exists (checkpoint tools also run without one)."""
     return dist.is_available() and dist.is_initialized()
-
-
-def release_import_time_group_pins() -> None:
-    """Stop ``torch.distributed.nn.functional`` from holding the default process group.
-
-    [Note: pinned default group]
-    That module's collectives declare ``group=group.WORLD``: a default evaluated once, at
-    import. Imported before ``init_process_group`` the default is ``None`` (the default
-    group, looked up per call); imported after it, the functions hold the live default
-    group for the rest of the process. torch imports the module lazily on the first
-    optimizer construction (``Optimizer.add_param_group`` imports ``torch._dynamo``, which
-    reaches it through FSDP and sharded-tensor modules), and the engine builds its
-    optimizer after the group exists, so every training process pinned its default group.
-    ``dist.destroy_process_group()`` then only unregisters the group: a gloo group keeps
-    its worker threads until the interpreter exits, and a worker still releasing a
-    finished collective while the interpreter finalises needs the GIL, is ended by
-    Python's thread exit, and aborts the process ("terminate called without an active
-    exception"). Rebinding those defaults to ``None`` keeps their meaning (``None`` is
-    the default group) and lets the group be destroyed when it is destroyed.
-    """
-    if not dist.is_available():
-        return
-    if dist.is_initialized():
-        _GROUPS_USED.add(dist.group.WORLD)
-    import torch.distributed.nn.functional as functional  # loaded now, so nothing binds later
-
-    for fn in vars(functional).values():
-        if getattr(fn, "__module__", None) != functional.__name__ or not callable(fn):
-            continue
-        defaults = getattr(fn, "__defaults__", None)
-        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            fn.__defaults__ = tuple(
-                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
-            )
-        kwdefaults = getattr(fn, "__kwdefaults__", None)
-        if kwdefaults:
-            for key, value in kwdefaults.items():
-                if isinstance(value, dist.ProcessGroup):
-                    kwdefaults[key] = None
-
-
-#: The process groups zerostate ran collectives on, weakly: at exit
-#: :func:`_release_destroyed_group_pins` looks for pins only if one is destroyed but alive.
-_GROUPS_USED: weakref.WeakSet = weakref.WeakSet()
-
-
-def _release_destroyed_group_pins() -> int:
-    """At interpreter exit: function defaults that still hold a destroyed process group are
-    set to ``None``, so the group is freed now; how many functions were changed.
-
-    [Note: no group kept to exit]
-    A gloo group's worker thread drops each finished collective, and a collective whose
-    tensors Python has already let go (an async broadcast, a barrier holding the works
-    queued before it) frees them on that thread, which needs the GIL. When the group is
-    still alive as the interpreter finalises, a worker that asks for the GIL then is ended
-    by Python and the process aborts ("terminate called without an active exception"):
-    seen at the end of runs that had called ``dist.destroy_process_group()``, about 1 in
-    30 on a loaded machine, from a core file: the worker in ``~AsyncBarrierWork`` ->
-    ``~AsyncBroadcastWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` ->
-    ``pthread_exit`` while the main thread was in ``Py_FinalizeEx``'s collection. A group
-    freed before finalisation joins its workers with the GIL released, and they finish.
-
-    So nothing of zerostate keeps a group alive: the shared-memory transports hold theirs
-    by weak reference. Other modules can: DeepSpeed's ``TorchBackend.barrier`` declares
-    ``group=GroupMember.WORLD``, bound when DeepSpeed is imported (the HF Trainer imports it
-    after the group exists), as [Note: pinned default group] describes for torch's own
-    module. ``atexit`` runs before finalisation, so this hook, when a group zerostate used
-    is destroyed and still alive, rebinds such defaults to ``None`` (the default
-    group, which is what they name) and the group is freed. A destroyed group cannot serve
-    a collective, so nothing loses a working default. A group still held another way (a
-    closure, an object's attribute) stays as it was.
-    """
-    if not dist.is_available() or not any(map(_destroyed_group, list(_GROUPS_USED))):
-        return 0  # nothing held: the usual case, and no walk over the heap
-    released = 0
-    for obj in gc.get_objects():
-        if type(obj) is not types.FunctionType:
-            continue
-        defaults, kwdefaults = obj.__defaults__, obj.__kwdefaults__
-        if defaults and any(_destroyed_group(d) for d in defaults):
-            obj.__defaults__ = tuple(None if _destroyed_group(d) else d for d in defaults)
-            released += 1
-        if kwdefaults and any(_destroyed_group(d) for d in kwdefaults.values()):
-            for key, value in list(kwdefaults.items()):
-                if _destroyed_group(value):
-                    kwdefaults[key] = None
-            released += 1
-    return released
-
-
-def _destroyed_group(value: Any) -> bool:
-    return isinstance(value, dist.ProcessGroup) and not _registered(value)
-
-
-atexit.register(_release_destroyed_group_pins)
 
 
 def barrier(*, group: Any) -> None:

@@ -42,7 +42,7 @@ from zerostate.checkpoint import (  # imported here, not on the first save or lo
 )
 from zerostate.checkpoint.load_plan import AppliedLoad, LoadPlan
 from zerostate.checkpoint.pretrained import PretrainedReport, load_pretrained
-from zerostate.dist import collectives
+from zerostate.dist import collectives, lifetime
 from zerostate.dist.collectives import CommStats
 from zerostate.dist.comm import BufferPool, CommContext
 from zerostate.dist.coordinator import Coordinator
@@ -204,7 +204,7 @@ class Engine:
         self._progress = ProgressLog(config.log_every)
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
-        collectives.release_import_time_group_pins()
+        lifetime.release_import_time_group_pins()
         self._closed = False
         self._grad_hooks = [
             sp.param.register_post_accumulate_grad_hook(GradReadyHook(self, i))
