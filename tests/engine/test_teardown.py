@@ -32,8 +32,9 @@ def test_a_dropped_engine_is_freed_with_its_model(monkeypatch, stage) -> None:
     assert run_sim(worker, 1, monkeypatch) == [[True, True]]
 
 
-SCRIPT = """
-import gc, os, sys, weakref
+#: A script's start: an engine's imports, and the threads before any process group.
+HEAD = """
+import gc, os, sys, time, weakref
 import torch, torch.distributed as dist
 sys.path[:0] = [{tests!r}, {engine_tests!r}]
 from common import batch, make_engine, make_model
@@ -43,6 +44,17 @@ def threads():
 
 torch.set_num_threads(1)
 before = threads()
+"""
+#: Waits until the threads the group started have gone, or 10 s.
+THREADS_GONE = """
+deadline = time.monotonic() + 10  # a finished thread may take a moment to leave, under load
+while threads() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+SCRIPT = (
+    HEAD
+    + """
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 group = dist.new_group([0]) if {explicit} else None
 {user_optimizer}
@@ -54,15 +66,15 @@ groups = [weakref.ref(dist.group.WORLD)] + ([weakref.ref(group)] if group is not
 del engine, group
 gc.collect()  # the first optimizer's lazy torch._dynamo import leaves a frame cycle
 dist.destroy_process_group()
-import time
-deadline = time.monotonic() + 10  # a finished thread may take a moment to leave, under load
-while threads() > before and time.monotonic() < deadline:
-    time.sleep(0.05)
+"""
+    + THREADS_GONE
+    + """
 tasks = os.listdir("/proc/self/task")
 names = sorted(open(f"/proc/self/task/{{t}}/comm").read().strip() for t in tasks)
 alive = sum(g() is not None for g in groups)
 print("groups alive:", alive, "threads left:", threads() - before, names)
 """
+)
 
 
 @pytest.mark.slow
@@ -80,18 +92,11 @@ def test_destroy_process_group_frees_the_group_and_its_threads(explicit, user_op
     assert "groups alive: 0 threads left: 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
-TWO_RANKS = """
-import gc, os, sys, time, weakref
-import torch, torch.distributed as dist
-sys.path[:0] = [{tests!r}, {engine_tests!r}]
-from common import batch, make_engine, make_model
+TWO_RANKS = (
+    HEAD
+    + """
 from zerostate.dist import collectives
 
-def threads():
-    return len(os.listdir("/proc/self/task"))
-
-torch.set_num_threads(1)
-before = threads()
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 engine = make_engine(make_model(), stage={stage})
@@ -108,11 +113,12 @@ del engine
 gc.collect()
 dist.barrier()
 dist.destroy_process_group()
-deadline = time.monotonic() + 10  # a finished thread may take a moment to leave, under load
-while threads() > before and time.monotonic() < deadline:
-    time.sleep(0.05)
+"""
+    + THREADS_GONE
+    + """
 print("group alive:", group() is not None, "threads left:", threads() - before)
 """
+)
 
 
 @pytest.mark.slow
@@ -148,7 +154,21 @@ def test_a_shared_memory_transport_does_not_keep_its_group(stage) -> None:
         assert "group alive: False threads left: 0" in out, out + err[-2000:]
 
 
-PINNED = """
+#: Destroys the default group and says when the group itself is freed: at once, before
+#: the interpreter finalises, or (no line) not at all.
+DESTROY_WATCHED = """
+def freed(_):
+    print("group freed while finalizing:", sys.is_finalizing(), flush=True)
+
+
+ref = weakref.ref(dist.group.WORLD, freed)
+dist.destroy_process_group()
+print("alive after destroy:", ref() is not None, flush=True)
+"""
+
+
+PINNED = (
+    """
 import atexit, gc, sys, types, weakref
 
 
@@ -193,15 +213,9 @@ exec(
 )
 sys.modules[lib.__name__] = lib
 
-
-def freed(_):
-    print("group freed while finalizing:", sys.is_finalizing(), flush=True)
-
-
-ref = weakref.ref(dist.group.WORLD, freed)
-dist.destroy_process_group()
-print("alive after destroy:", ref() is not None, flush=True)
 """
+    + DESTROY_WATCHED
+)
 
 
 @pytest.mark.slow
@@ -232,7 +246,8 @@ def test_the_exit_hook_leaves_live_groups_and_other_defaults() -> None:
     assert keep.__defaults__ == (None, 3) and keep.__kwdefaults__ == {"sentinel": "x"}
 
 
-SAVE_LOAD = """
+SAVE_LOAD = (
+    """
 import sys, weakref
 import torch, torch.distributed as dist
 import zerostate
@@ -243,15 +258,9 @@ zerostate.save(state, {root!r})
 got = {{"w": torch.zeros(2, 3)}}
 assert zerostate.load(got, {root!r}) == 0 and torch.equal(got["w"], state["w"])
 
-
-def freed(_):
-    print("group freed while finalizing:", sys.is_finalizing(), flush=True)
-
-
-ref = weakref.ref(dist.group.WORLD, freed)
-dist.destroy_process_group()
-print("alive after destroy:", ref() is not None, flush=True)
 """
+    + DESTROY_WATCHED
+)
 
 
 @pytest.mark.slow
