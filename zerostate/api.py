@@ -256,7 +256,7 @@ def _drop_destroyed_tiers() -> None:
     the next save or load, and at exit, before the interpreter finalises ([Note: no group
     kept to exit] in zerostate.dist.collectives). By then nothing of theirs is in flight:
     their persistence threads were joined when the interpreter began to exit."""
-    for key in [k for k in _TIERS if lifetime.is_destroyed_group(k)]:
+    for key in [k for k in _TIERS if collectives.is_destroyed_group(k)]:
         del _TIERS[key]
 
 

@@ -46,7 +46,6 @@ from zerostate.dcp.common import (
     check_boxes,
 )
 from zerostate.dcp.writer import StorageWriter
-from zerostate.dist import lifetime
 from zerostate.errors import (
     CheckpointError,
     ConfigError,
@@ -136,7 +135,6 @@ class StorageReader(dcp_storage.StorageReader):
                 "zerostate.dcp.StorageReader reads the metadata it parsed itself; call "
                 "read_metadata() on this reader first"
             )
-        lifetime.track_group()  # [Note: no group kept to exit]
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         self._gc.hold()  # until read_data's close, or the next reset

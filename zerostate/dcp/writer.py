@@ -33,7 +33,6 @@ from zerostate.dcp.common import (
 )
 from zerostate.dcp.document import RankParts, encode_value, metadata_json, plan_pieces, split_pieces
 from zerostate.dcp.staging import StagingBuffers
-from zerostate.dist import lifetime
 from zerostate.errors import (
     CheckpointError,
     ConfigError,
@@ -157,7 +156,6 @@ class StorageWriter(dcp_storage.StorageWriter):
             )
         self._is_coordinator = bool(is_coordinator)
         self._rank = _rank_of_caller(kwargs)
-        lifetime.track_group()  # [Note: no group kept to exit]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._gc.hold()  # until this rank's last hook

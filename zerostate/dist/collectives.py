@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zerostate.dist import lifetime, shm
+from zerostate.dist import shm
 from zerostate.errors import ConfigError, DistributedMismatchError
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -329,13 +329,12 @@ def _transport(tensor: torch.Tensor, group: Any) -> shm.Transport | None:
 
 def _group_transport(group: Any) -> shm.Transport | None:
     pg = dist.group.WORLD if group is None else group
-    lifetime.track_group(pg)
     entry = _TRANSPORTS.get(id(pg))
     if entry is not None and entry[0]() is pg:  # a dead reference: the id was reused
         return entry[1]
     for key, (ref, _) in list(_TRANSPORTS.items()):
         old = ref()
-        if old is None or not lifetime.is_registered(old):  # destroyed since: let its mappings go
+        if old is None or not is_registered(old):  # destroyed since: let its mappings go
             del _TRANSPORTS[key]
     transport = _new_transport(pg)
     _TRANSPORTS[id(pg)] = (weakref.ref(pg, _forget_transport), transport)
@@ -355,10 +354,18 @@ def shared_memory_bytes() -> tuple[int, int]:
     own = peers = 0
     for ref, transport in list(_TRANSPORTS.values()):
         pg = ref()
-        if transport is not None and pg is not None and lifetime.is_registered(pg):
+        if transport is not None and pg is not None and is_registered(pg):
             mine, theirs = transport.nbytes()
             own, peers = own + mine, peers + theirs
     return own, peers
+
+
+def is_registered(pg: Any) -> bool:
+    """Whether ``pg`` is a live process group of torch.distributed (not destroyed)."""
+    try:
+        return pg in dist.distributed_c10d._world.pg_map
+    except (AttributeError, TypeError):
+        return True
 
 
 def _new_transport(pg: Any) -> shm.Transport | None:
@@ -455,6 +462,48 @@ def broadcast_from_first(tensors: list[torch.Tensor], *, group: Any) -> None:
 def is_initialized() -> bool:
     """Whether a default process group exists (checkpoint tools also run without one)."""
     return dist.is_available() and dist.is_initialized()
+
+
+def release_import_time_group_pins() -> None:
+    """Stop ``torch.distributed.nn.functional`` from holding the default process group.
+
+    [Note: pinned default group]
+    That module's collectives declare ``group=group.WORLD``: a default evaluated once, at
+    import. Imported before ``init_process_group`` the default is ``None`` (the default
+    group, looked up per call); imported after it, the functions hold the live default
+    group for the rest of the process. torch imports the module lazily on the first
+    optimizer construction (``Optimizer.add_param_group`` imports ``torch._dynamo``, which
+    reaches it through FSDP and sharded-tensor modules), and the engine builds its
+    optimizer after the group exists, so every training process pinned its default group.
+    ``dist.destroy_process_group()`` then only unregisters the group: a gloo group keeps
+    its worker threads until the interpreter exits, and a worker still releasing a
+    finished collective while the interpreter finalises needs the GIL, is ended by
+    Python's thread exit, and aborts the process ("terminate called without an active
+    exception"). Rebinding those defaults to ``None`` keeps their meaning (``None`` is
+    the default group) and lets the group be destroyed when it is destroyed.
+    """
+    if not dist.is_available():
+        return
+    import torch.distributed.nn.functional as functional  # loaded now, so nothing binds later
+
+    for fn in vars(functional).values():
+        if getattr(fn, "__module__", None) != functional.__name__ or not callable(fn):
+            continue
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
+            )
+        kwdefaults = getattr(fn, "__kwdefaults__", None)
+        if kwdefaults:
+            for key, value in kwdefaults.items():
+                if isinstance(value, dist.ProcessGroup):
+                    kwdefaults[key] = None
+
+
+def is_destroyed_group(value: Any) -> bool:
+    """Whether ``value`` is a process group that was destroyed (and is still alive)."""
+    return isinstance(value, dist.ProcessGroup) and not is_registered(value)
 
 
 def barrier(*, group: Any) -> None:

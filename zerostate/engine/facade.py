@@ -204,7 +204,7 @@ class Engine:
         self._progress = ProgressLog(config.log_every)
         # Building a torch optimizer has just imported a module that can pin the default
         # process group for the life of the process ([Note: pinned default group]).
-        lifetime.release_import_time_group_pins()
+        lifetime.release_pins_and_track(group)  # [Note: no group kept to exit]
         self._closed = False
         self._grad_hooks = [
             sp.param.register_post_accumulate_grad_hook(GradReadyHook(self, i))
