@@ -254,7 +254,7 @@ def _memory_tiers(process_group: Any, coordinator: Coordinator) -> MemoryTiers:
 def _drop_destroyed_tiers() -> None:
     """The memory tiers of destroyed groups go, and with them their hold on the groups: at
     the next save or load, and at exit, before the interpreter finalises ([Note: no group
-    kept to exit] in zerostate.dist.collectives). By then nothing of theirs is in flight:
+    kept to exit] in zerostate.dist.lifetime). By then nothing of theirs is in flight:
     their persistence threads were joined when the interpreter began to exit."""
     for key in [k for k in _TIERS if collectives.is_destroyed_group(k)]:
         del _TIERS[key]

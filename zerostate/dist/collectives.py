@@ -487,18 +487,24 @@ def release_import_time_group_pins() -> None:
     import torch.distributed.nn.functional as functional  # loaded now, so nothing binds later
 
     for fn in vars(functional).values():
-        if getattr(fn, "__module__", None) != functional.__name__ or not callable(fn):
-            continue
-        defaults = getattr(fn, "__defaults__", None)
-        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
-            fn.__defaults__ = tuple(
-                None if isinstance(d, dist.ProcessGroup) else d for d in defaults
-            )
-        kwdefaults = getattr(fn, "__kwdefaults__", None)
-        if kwdefaults:
-            for key, value in kwdefaults.items():
-                if isinstance(value, dist.ProcessGroup):
-                    kwdefaults[key] = None
+        if getattr(fn, "__module__", None) == functional.__name__ and callable(fn):
+            unpin_defaults(fn, lambda d: isinstance(d, dist.ProcessGroup))
+
+
+def unpin_defaults(fn: Any, pinned: Any) -> bool:
+    """Set to None each default of ``fn`` (positional or keyword-only) that ``pinned(value)``
+    says holds a process group; whether any was."""
+    changed = False
+    defaults = getattr(fn, "__defaults__", None)
+    if defaults and any(pinned(d) for d in defaults):
+        fn.__defaults__ = tuple(None if pinned(d) else d for d in defaults)
+        changed = True
+    kwdefaults = getattr(fn, "__kwdefaults__", None)
+    for key, value in list((kwdefaults or {}).items()):
+        if pinned(value):
+            kwdefaults[key] = None
+            changed = True
+    return changed
 
 
 def is_destroyed_group(value: Any) -> bool:

@@ -67,20 +67,8 @@ def _release_destroyed_group_pins() -> int:
     destroyed = collectives.is_destroyed_group
     if not any(map(destroyed, list(_GROUPS_USED))):
         return 0  # nothing held: the usual case, and no walk over the heap
-    released = 0
-    for obj in gc.get_objects():
-        if type(obj) is not types.FunctionType:
-            continue
-        defaults, kwdefaults = obj.__defaults__, obj.__kwdefaults__
-        if defaults and any(destroyed(d) for d in defaults):
-            obj.__defaults__ = tuple(None if destroyed(d) else d for d in defaults)
-            released += 1
-        if kwdefaults and any(destroyed(d) for d in kwdefaults.values()):
-            for key, value in list(kwdefaults.items()):
-                if destroyed(value):
-                    kwdefaults[key] = None
-            released += 1
-    return released
+    functions = (obj for obj in gc.get_objects() if type(obj) is types.FunctionType)
+    return sum(collectives.unpin_defaults(fn, destroyed) for fn in functions)
 
 
 atexit.register(_release_destroyed_group_pins)
