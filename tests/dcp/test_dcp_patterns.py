@@ -134,6 +134,35 @@ def test_saving_into_one_root_again_and_again(tmp_path):
         assert_pattern_state(entry["again"], i + 1)  # that step by number, later
 
 
+def test_saves_with_dcps_plan_caching_each_get_their_own_step(tmp_path):
+    # DCP's plan caching replays a rank's last plan, our storage data included: the second
+    # save wrote under the first one's step before each save was planned afresh.
+    results = run_distributed(
+        workers.cached_plan_saves, 2, str(tmp_path / "ours"), str(tmp_path / "theirs")
+    )
+    for result in results:
+        assert result["steps"] == [0, 1, 2, 3]
+        assert result["warned"] == 1  # once per process: caching has no effect here
+    assert open_checkpoint(str(tmp_path / "ours")).steps() == [0, 1, 2, 3]
+    for i in range(4):  # ours and DCP's own files, saved alternately under one cache key
+        assert_pattern_state(results[0]["ours"][i], i + 1)
+        assert_pattern_state(results[0]["dcp"][i], i + 1)
+
+
+def test_a_plan_from_dcps_cache_is_refused_before_anything_is_written(tmp_path):
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from zerostate.errors import CheckpointError
+
+    writer = StorageWriter(str(tmp_path / "root"))
+    writer.set_up_storage_writer(True, rank=0)
+    with pytest.raises(CheckpointError, match="DCP's plan cache"):
+        writer.prepare_local_plan(SavePlan([], usable=False))
+    with pytest.raises(CheckpointError, match="DCP's plan cache"):
+        writer.prepare_global_plan([SavePlan([]), SavePlan([], usable=False)])
+    assert not (tmp_path / "root").exists() or not any((tmp_path / "root").iterdir())
+
+
 def test_bytes_values_reach_the_planner_as_plain_data(saved):
     # The blob comes back as bytes and the BytesIO as a BytesIO: data, never interpreted.
     state = workers.plain_patterns(0)

@@ -595,6 +595,46 @@ def resave_patterns(rank: int, world_size: int, root: str, rounds: int) -> list[
     return out if rank == 0 else []
 
 
+def cached_plan_saves(rank: int, world_size: int, root: str, theirs: str) -> dict:
+    """Saves with DCP's plan caching on (``DefaultSavePlanner(enable_plan_caching=True)``,
+    one cache key throughout): four saves of new values into one root of ours (a new writer,
+    one writer twice, a new writer), each followed by a save of the same state
+    through DCP's ``FileSystemWriter`` under the same key; the planners see unchanged plans
+    from the second save on. Every step and every DCP directory loaded back; rank 0 returns
+    what each gave, the steps written and the plan-caching warnings each rank saw."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from zerostate.dcp import StorageReader, StorageWriter
+
+    torch.set_num_threads(1)
+
+    def planner() -> DefaultSavePlanner:
+        return DefaultSavePlanner(enable_plan_caching=True)
+
+    steps, reused = [], StorageWriter(root)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(4):
+            state = pattern_state(world_size, i + 1, "rows")
+            writer = reused if i in (1, 2) else StorageWriter(root)
+            dcp.save(state, storage_writer=writer, planner=planner())
+            steps.append(writer.step)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{theirs}/{i}"), planner=planner())
+    warned = [str(w.message) for w in seen if "plan caching" in str(w.message)]
+    ours, dcps = [], []
+    for i, step in enumerate(steps):
+        target = pattern_state(world_size, 0, "columns")
+        dcp.load(target, storage_reader=StorageReader(root, step=step))
+        ours.append(pattern_result(target))
+        target = pattern_state(world_size, 0, "columns")
+        dcp.load(target, storage_reader=dcp.FileSystemReader(f"{theirs}/{i}"))
+        dcps.append(pattern_result(target))
+    return {"steps": steps, "warned": len(warned), "ours": ours, "dcp": dcps}
+
+
 def no_dist_save(rank: int, world_size: int, root: str) -> dict:
     """``dcp.save(..., no_dist=True)`` on rank 0 only, while the process group is up: the
     rank saves alone, every value whole (rank 1 saves nothing). Then every rank loads it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+import warnings
 from typing import Any
 
 import torch
@@ -40,6 +41,76 @@ from zerostate.errors import (
 from zerostate.store import format as fmt
 from zerostate.store.root import CheckpointRoot
 from zerostate.store.writer import StepExistsError, StepWriter
+
+#: The dicts on torch's ``SavePlanner`` class where DCP's plan caching keeps its plans
+#: ([Note: DCP's plan cache]); a torch without one has nothing to forget there.
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_final_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+)
+_warned_plan_caching = False
+
+
+def forget_cached_plans(key: str | None = None) -> None:
+    """Drop the save plans DCP's plan caching keeps in this process: those under ``key``
+    (a planner's cache key), or every one.
+
+    [Note: DCP's plan cache]
+    With ``DefaultSavePlanner(enable_plan_caching=True)`` (torch 2.7 and later) each process
+    keeps, in dicts on the ``SavePlanner`` class, its last local plan, its last final plan
+    and, on the coordinator, every rank's plans and the metadata. A rank whose plan did not
+    change sends an empty plan marked unusable and, after the scatter, replays its cached
+    final plan, storage data included. Our storage data is the save itself: its step, its
+    save id, the row views that place the rank's pieces. Replayed, it wrote the second save
+    under the first one's step (rank 1: "step 0 is already committed"; with a new
+    ``checkpoint_id``, rows under the old save id that the commit cannot take), and an
+    unchanged rank's pieces never reach the coordinator, which lists every piece in the
+    commit record. So each save through our writer is planned afresh:
+    ``set_up_storage_writer``, which runs on every rank before the planner makes its local
+    plan (and on the coordinator before the global plan), forgets every cached plan of the
+    process, and ``write_data`` forgets its planner's key again, so that a later save through
+    another writer does not replay a plan of ours. The first hook does not see the planner,
+    hence every key: another writer's cached plans in this process cost one miss, never a
+    wrong plan. A plan marked unusable that reaches our writer anyway (a save planned in
+    another thread between the two) fails the save in one line before anything is written.
+    Caching would not save much here: our writer's own planning of a 2-rank save of the
+    38 MiB ``small`` preset of ``benchmarks/dcp_plugin.py`` is about 10 ms, DCP's 41 ms."""
+    for name in _PLAN_CACHES:
+        cache = getattr(SavePlanner, name, None)
+        if isinstance(cache, dict):
+            if key is None:
+                cache.clear()
+            else:
+                cache.pop(key, None)
+
+
+def _check_usable(plans: list[SavePlan]) -> None:
+    if any(not getattr(plan, "usable", True) for plan in plans):
+        raise CheckpointError(
+            "a save plan came from DCP's plan cache, which zerostate's writer cleared when this "
+            "save began: another save in this process planned meanwhile; save again, one save "
+            "at a time ([Note: DCP's plan cache] in zerostate/dcp/writer.py)"
+        )
+
+
+def _forget_planner_cache(planner: SavePlanner) -> None:
+    """Forget what ``planner``'s plan caching kept of this save, and say once per process that
+    it has no effect here ([Note: DCP's plan cache])."""
+    global _warned_plan_caching
+    key = getattr(planner, "_cached_plans_key", None)
+    if isinstance(key, str):
+        forget_cached_plans(key)
+    if getattr(planner, "_enable_plan_caching", False) and not _warned_plan_caching:
+        _warned_plan_caching = True
+        warnings.warn(
+            "DCP's plan caching (enable_plan_caching=True) has no effect on saves through "
+            "zerostate.dcp.StorageWriter: each save is planned afresh, since its plan carries "
+            "the save's step",
+            stacklevel=3,
+        )
 
 
 class StorageWriter(dcp_storage.StorageWriter):
@@ -156,8 +227,11 @@ class StorageWriter(dcp_storage.StorageWriter):
             )
         self._is_coordinator = bool(is_coordinator)
         self._rank = _rank_of_caller(kwargs)
+        # Before the planner plans: no plan of this save comes from its cache.
+        forget_cached_plans()  # [Note: DCP's plan cache]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        _check_usable([plan])
         self._gc.hold()  # until this rank's last hook
         # The rank travels with the plan so the coordinator knows who it is.
         return dataclasses.replace(plan, storage_data=self._rank)
@@ -170,6 +244,7 @@ class StorageWriter(dcp_storage.StorageWriter):
             raise
 
     def _global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _check_usable(plans)
         pieces = plan_pieces(plans, self._rank)
         root = self._open_root()
         # The step (None: the next after the newest committed) and the target check are
@@ -197,6 +272,7 @@ class StorageWriter(dcp_storage.StorageWriter):
         return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        _forget_planner_cache(planner)
         glob = plan.storage_data
         if not isinstance(glob, _GlobalPlan):
             raise CheckpointError("internal: the save plan lacks zerostate's global plan")
