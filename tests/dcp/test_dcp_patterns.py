@@ -149,6 +149,15 @@ def test_saves_with_dcps_plan_caching_each_get_their_own_step(tmp_path):
         assert_pattern_state(results[0]["dcp"][i], i + 1)
 
 
+def test_async_save_stages_a_sharded_tensor(tmp_path):
+    # The stager took every tensor for a plain one and failed on a ShardedTensor (torch:
+    # "'__get__' not supported for ShardedTensor"); its copy must not follow the original.
+    results = run_distributed(workers.async_sharded_save, 2, str(tmp_path / "root"))
+    for key in ("uneven", "grid", "enum"):
+        want = workers.pattern_tensor(key, 1)
+        assert torch.equal(results[0][key], want), key
+
+
 def test_a_plan_from_dcps_cache_is_refused_before_anything_is_written(tmp_path):
     from torch.distributed.checkpoint.planner import SavePlan
 

@@ -635,6 +635,32 @@ def cached_plan_saves(rank: int, world_size: int, root: str, theirs: str) -> dic
     return {"steps": steps, "warned": len(warned), "ours": ours, "dcp": dcps}
 
 
+def async_sharded_save(rank: int, world_size: int, root: str) -> dict:
+    """``async_save`` of a state with a ShardedTensor (FSDP1's sharded state dicts) and a
+    DTensor, their originals overwritten as soon as it returns (staging is done), then loaded
+    back: rank 0 returns what the load gave."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from zerostate.dcp import StorageReader, StorageWriter
+
+    torch.set_num_threads(1)
+    keys = ("uneven", "grid", "enum")
+    state = {k: v for k, v in pattern_state(world_size, 1, "rows").items() if k in keys}
+    future = dcp.async_save(state, storage_writer=StorageWriter(root))
+    for value in state.values():  # the training loop goes on
+        for local in (
+            [value.to_local()]
+            if isinstance(value, DTensor)
+            else [s.tensor for s in value.local_shards()]
+        ):
+            local.fill_(-1.0)
+    future.result()
+    target = {k: v for k, v in pattern_state(world_size, 0, "columns").items() if k in keys}
+    dcp.load(target, storage_reader=StorageReader(root))
+    return {k: _gather(target[k]) for k in keys}
+
+
 def no_dist_save(rank: int, world_size: int, root: str) -> dict:
     """``dcp.save(..., no_dist=True)`` on rank 0 only, while the process group is up: the
     rank saves alone, every value whole (rank 1 saves nothing). Then every rank loads it

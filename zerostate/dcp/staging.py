@@ -63,8 +63,9 @@ class StagingBuffers:
         self.__init__()
 
     def stage(self, state: Any) -> Any:
-        """A copy of ``state`` (nested dicts, lists and tuples of tensors, DTensors and plain
-        values) whose tensors are CPU buffers of this stager."""
+        """A copy of ``state`` (nested dicts, lists and tuples of tensors, DTensors,
+        ShardedTensors and plain values) whose tensors are CPU buffers of this stager
+        (a ShardedTensor's: new memory, see :func:`_copy_sharded`)."""
         with self._lock:
             reuse, self._idle = self._idle, None
         staged_set = _Set()
@@ -104,6 +105,8 @@ class StagingBuffers:
             self._idle = None
 
     def _copy(self, value: Any, path: tuple, reuse: _Set | None, into: _Set) -> Any:
+        if _is_sharded_tensor(value):
+            return _copy_sharded(value)
         if isinstance(value, torch.Tensor):
             return self._copy_tensor(value, path, reuse, into)
         if isinstance(value, dict):
@@ -137,3 +140,26 @@ class StagingBuffers:
                 buf, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
             )
         return buf
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    if not isinstance(value, torch.Tensor) or type(value).__name__ != "ShardedTensor":
+        return False
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def _copy_sharded(value: Any) -> Any:
+    """A host copy of a ShardedTensor (FSDP1's sharded state dicts hold them): its local
+    shards copied, its metadata and process group kept. Its tensor operations go through
+    the shards only, so it cannot be copied into a buffer as a tensor is; it is copied as
+    DCP's default stager copies it, into new memory on every save (torch deprecates the
+    type for DTensor, whose copies reuse this stager's buffers)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the type
+        if value.device.type != "cpu":
+            return value.to(device="cpu")
+        return copy.deepcopy(value)
