@@ -45,6 +45,30 @@ def test_bytes_like_values_that_would_not_round_trip_are_refused() -> None:
         jsonstate.encode({"b": bytearray(b"ab")})
 
 
+def test_values_whose_type_would_be_lost_unseen_are_refused_naming_their_path() -> None:
+    import collections
+    import enum
+
+    class Mode(enum.IntEnum):
+        TRAIN = 1
+
+    class Tag(str, enum.Enum):
+        A = "a"
+
+    point = collections.namedtuple("Point", "x y")
+    with pytest.raises(ConfigError, match=r"state\['m'\] is the enum member Mode.TRAIN"):
+        jsonstate.encode({"m": Mode.TRAIN})
+    with pytest.raises(ConfigError, match=r"state\['t'\]\[1\] is the enum member Tag.A"):
+        jsonstate.encode({"t": [0, Tag.A]})
+    with pytest.raises(ConfigError, match=r"state\[0\] is a named tuple \(Point\)"):
+        jsonstate.encode((point(1, 2),))
+    # Mappings and lists that are subclasses keep their items and order, as a dict / list.
+    od = collections.OrderedDict([("b", 1), ("a", (2.5, None))])
+    back = _round_trip({"od": od, "t": (1, "x")})
+    assert list(back["od"].items()) == [("b", 1), ("a", (2.5, None))]
+    assert type(back["t"]) is tuple and back["t"] == (1, "x")
+
+
 @pytest.mark.parametrize(
     "stored",
     [

@@ -18,6 +18,11 @@ three things a ``state_dict`` commonly holds; each is written as a one-key marke
   keeps its sign and payload. ``ReduceLROnPlateau`` holds ``inf`` in its state from the
   start (``mode_worse``), and a loop's ``best_loss`` often begins as ``inf``.
 
+A list or dict subclass loads as a list or dict (an ``OrderedDict``, Lightning's
+``AttributeDict``: the same items in the same order). Values whose loss would not show as
+inequality are refused, naming their path: enum members (an ``IntEnum`` member would load as
+a bare int) and named tuples (they would lose their field names).
+
 Decoding validates every marker (known dtype, non-negative shape, byte count matching
 the shape) and raises :class:`~zerostate.errors.CorruptCheckpointError` otherwise, so a
 damaged or hostile checkpoint cannot produce arbitrary objects.
@@ -26,6 +31,7 @@ damaged or hostile checkpoint cannot produce arbitrary objects.
 from __future__ import annotations
 
 import base64
+import enum
 import io
 import math
 import struct
@@ -58,6 +64,18 @@ DTYPES: dict[str, torch.dtype] = {
 
 def encode(value: Any, what: str = "state") -> Any:
     """A JSON-able form of ``value``; raises ConfigError naming the path of anything else."""
+    if isinstance(value, enum.Enum):
+        # An IntEnum or StrEnum member is an int or a str too, but would load as its bare
+        # value: its type and name gone.
+        raise ConfigError(
+            f"{what} is the enum member {type(value).__name__}.{value.name}, which would load "
+            "as its bare value; store its .value or .name in state_dict()"
+        )
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        raise ConfigError(
+            f"{what} is a named tuple ({type(value).__name__}), which would load as a plain "
+            "tuple without its field names; store tuple(...) or ._asdict() in state_dict()"
+        )
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
