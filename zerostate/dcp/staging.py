@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -143,8 +144,6 @@ class StagingBuffers:
 
 
 def _is_sharded_tensor(value: Any) -> bool:
-    if not isinstance(value, torch.Tensor) or type(value).__name__ != "ShardedTensor":
-        return False
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     return isinstance(value, ShardedTensor)
@@ -156,8 +155,6 @@ def _copy_sharded(value: Any) -> Any:
     the shards only, so it cannot be copied into a buffer as a tensor is; it is copied as
     DCP's default stager copies it, into new memory on every save (torch deprecates the
     type for DTensor, whose copies reuse this stager's buffers)."""
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the type
         if value.device.type != "cpu":
