@@ -15,11 +15,15 @@ unevenly, a complex64 and a complex128 buffer, and a complex128 table sharded by
   writes complex64 as safetensors' C64, ``reshard`` to 3 ranks and back gives the row
   objects byte for byte (and the 3-rank step loads as saved);
 * a commit record whose piece or DCP document misdescribes a complex box is refused in one
-  line."""
+  line;
+* DCP's own checkpoint of the same state (``FileSystemWriter``), which no command could read
+  (its complex storages were refused by the restricted unpickler): ``inspect``, ``verify``,
+  ``consolidate`` (equal to ours) and ``reshard`` into the store and out again."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -241,3 +245,58 @@ def test_a_complex_piece_without_its_mark_is_refused(saved, tmp_path):
     _edit(root, change)
     message = _load_error(root)
     assert "complex_dtype='complex128' does not describe a stored torch.float32" in message
+
+
+# ------------------------------------------- DCP's own checkpoint of a complex state
+def test_dcp_own_checkpoint_of_it_reads_through_every_command(saved, tmp_path, capsys):
+    """``FileSystemWriter``'s files hold ``torch.ComplexFloatStorage`` items, which the
+    restricted unpickler used to refuse ("refused to unpickle global torch.complex64"), so
+    no command could read such a checkpoint ([Note: complex foreign tensors])."""
+    theirs, ours = saved["roots"]["theirs"], saved["roots"]["ours"]
+    rc, out, err = run_cli(["inspect", theirs], capsys)
+    assert rc == 0, err
+    assert re.search(r"model/coil\.z\s+7x3x2\s+float32", out), out
+    assert run_cli(["verify", theirs], capsys)[0] == 0
+
+    files = {}
+    for name, root in (("theirs", theirs), ("ours", ours)):
+        files[name] = tmp_path / f"{name}.safetensors"
+        assert run_cli(["consolidate", root, str(files[name]), "-q"], capsys)[0] == 0
+    want, got = load_file(files["ours"]), load_file(files["theirs"])
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    assert got["coil.z"].dtype == torch.complex64
+
+    # Into the store (real pairs, marked) and back out as complex: the same tensors.
+    imported = tmp_path / "imported"
+    rc, _, err = run_cli(["reshard", theirs, str(imported), "--world-size", "3", "-q"], capsys)
+    assert rc == 0, err
+    again = tmp_path / "again.safetensors"
+    assert run_cli(["consolidate", str(imported), str(again), "-q"], capsys)[0] == 0
+    back = load_file(again)
+    for name in want:
+        assert back[name].dtype == want[name].dtype and torch.equal(back[name], want[name]), name
+
+
+def test_a_complex_tensor_with_a_piece_of_another_dtype_is_refused():
+    from zerostate.store.foreign.base import ForeignTensor, Segment, real_pairs
+    from zerostate.store.safe_unpickle import StoredTensor
+
+    def tensor(logical, stored):
+        piece = StoredTensor("0", stored, 6, 0, (2, 3))
+        return ForeignTensor("t", (2, 3), logical, (Segment(0, 6, None, piece),))
+
+    pairs = real_pairs(tensor(torch.complex64, torch.complex64), "ckpt")
+    assert (pairs.shape, pairs.dtype, pairs.attrs) == (
+        (2, 3, 2),
+        torch.float32,
+        {"complex_dtype": "complex64"},
+    )
+    (seg,) = pairs.segments
+    assert (seg.numel, seg.tensor.storage_numel, seg.tensor.shape) == (12, 12, (2, 3, 2))
+    with pytest.raises(CorruptCheckpointError, match="stored as torch.float32"):
+        real_pairs(tensor(torch.complex64, torch.float32), "ckpt")
+    with pytest.raises(CorruptCheckpointError, match="stored complex"):
+        real_pairs(tensor(torch.float32, torch.complex64), "ckpt")
+    assert real_pairs(tensor(torch.float32, torch.bfloat16), "ckpt").dtype == torch.float32
