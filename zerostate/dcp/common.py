@@ -113,9 +113,60 @@ class Piece:
     owner: int  # the store rank that writes it
 
     def spec(self, world_size: int) -> TensorSpec:
-        numel = math.prod(self.sizes)
+        """The stored tensor: the box, or a complex box's real pairs ([Note: complex
+        chunks])."""
+        sizes, dtype, attrs = stored_as(self.sizes, self.dtype)
+        numel = math.prod(sizes)
         layout = TensorLayout(numel, world_size, max(1, numel), self.owner)
-        return TensorSpec(self.name, self.sizes, self.dtype, layout)
+        return TensorSpec(self.name, sizes, dtype, layout, attrs=attrs)
+
+
+# [Note: complex chunks]
+# DCP saves complex tensors as it saves any other (a RoPE table such as torchtitan's
+# persistent ``freqs_cis`` before 0.3, a model with complex parameters and the optimizer
+# state that follows them). The store holds complex tensors as their real pairs ([Note:
+# complex tensors] in zerostate.store.format), so a chunk of a complex tensor is stored as
+# the float tensor ``torch.view_as_real(chunk)``: shape ``(*box, 2)``, float32 for complex64
+# and float64 for complex128, with the attribute naming the complex dtype. The DCP document
+# keeps the tensor's own dtype and boxes (DCP's metadata, unchanged); each box's piece is
+# checked to be its real pairs. The bytes are the complex tensor's own (real and imaginary
+# parts interleaved), so a load copies them back bit for bit, and every command that reads
+# the store sees the real pairs and the attribute, as it sees the engine's complex buffers.
+
+
+def document_dtype_name(dtype: torch.dtype) -> str:
+    """The DCP document's name of a tensor's dtype: one the store holds, or a complex one
+    ([Note: complex chunks]); any other raises ConfigError naming the store's dtypes."""
+    if dtype in fmt.COMPLEX_DTYPES:
+        return str(dtype).removeprefix("torch.")
+    return fmt.dtype_name(dtype)
+
+
+def document_dtype(name: Any) -> torch.dtype:
+    """The dtype a DCP document names (read from storage: never trusted)."""
+    for dtype in fmt.COMPLEX_DTYPES:
+        if name == str(dtype).removeprefix("torch."):
+            return dtype
+    return fmt.dtype_from_name(name)
+
+
+def stored_as(
+    sizes: tuple[int, ...], dtype: torch.dtype
+) -> tuple[tuple[int, ...], torch.dtype, dict | None]:
+    """``(sizes, dtype, attrs)`` of the stored piece of a box of ``sizes`` and ``dtype``:
+    the box itself, or a complex box's real pairs and the attribute naming its dtype."""
+    real = fmt.COMPLEX_DTYPES.get(dtype)
+    if real is None:
+        return tuple(sizes), dtype, None
+    return (*sizes, 2), real, {fmt.COMPLEX_ATTR: str(dtype).removeprefix("torch.")}
+
+
+def stored_data(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a chunk as its piece stores them: the tensor, or a complex one's real
+    pairs (the same memory where the tensor allows it)."""
+    if tensor.dtype not in fmt.COMPLEX_DTYPES:
+        return tensor
+    return torch.view_as_real(tensor.resolve_conj())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from zerostate import jsonstate
-from zerostate.dcp.common import DCP_VERSION, Piece, piece_name
+from zerostate.dcp.common import DCP_VERSION, Piece, document_dtype_name, piece_name
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.store import format as fmt
 from zerostate.store import format2
@@ -44,7 +44,7 @@ def plan_pieces(plans: list[SavePlan], coordinator: int) -> tuple[Piece, ...]:
             if td is None:
                 raise ConfigError(f"{item.index.fqn}: a tensor item without tensor data")
             try:
-                fmt.dtype_name(td.properties.dtype)
+                document_dtype_name(td.properties.dtype)
             except ConfigError as exc:
                 raise ConfigError(f"{item.index.fqn}: {exc}") from None
             pieces.append(
@@ -152,7 +152,7 @@ def metadata_json(metadata: Metadata, pieces: tuple[Piece, ...], values: dict[st
                 {"offsets": list(offsets), "sizes": list(piece.sizes), "piece": piece.name}
             )
         tensors[fqn] = {
-            "dtype": fmt.dtype_name(entry.properties.dtype),
+            "dtype": document_dtype_name(entry.properties.dtype),
             "shape": [int(d) for d in entry.size],
             "chunks": chunks,
         }

@@ -44,6 +44,9 @@ from zerostate.dcp.common import (
     _planner_data,
     _root_text,
     check_boxes,
+    document_dtype,
+    document_dtype_name,
+    stored_as,
 )
 from zerostate.dcp.writer import StorageWriter
 from zerostate.errors import (
@@ -166,7 +169,7 @@ class StorageReader(dcp_storage.StorageReader):
             else:
                 tensors.append(item)
         try:
-            batch: list[tuple[ReadItem, str, tuple[int, ...], int, int]] = []
+            batch: list[tuple[ReadItem, str, tuple[int, ...], int, int, int]] = []
             nbytes = 0
             for item in tensors:
                 request = _read_request(state, item)
@@ -208,9 +211,12 @@ def _load_value(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
     planner.load_bytes(item, buffer)
 
 
-def _read_request(state: _Step, item: ReadItem) -> tuple[ReadItem, str, tuple[int, ...], int, int]:
-    """``(item, piece, piece sizes, start, stop)``: the flat element range of the piece that
-    holds the rows (first dimension) the item needs."""
+def _read_request(
+    state: _Step, item: ReadItem
+) -> tuple[ReadItem, str, tuple[int, ...], int, int, int]:
+    """``(item, piece, box sizes, start, stop, per)``: the flat element range of the piece
+    that holds the rows (first dimension) the item needs, in stored elements, ``per`` of
+    them to an element of the box (2: a complex box's real pairs)."""
     index = item.storage_index
     key = (index.fqn, tuple(int(o) for o in (index.offset or ())))
     found = state.pieces.get(key)
@@ -228,20 +234,28 @@ def _read_request(state: _Step, item: ReadItem) -> tuple[ReadItem, str, tuple[in
             f"{index.fqn}: the load plan asks for {lengths} at {offsets} of a chunk of "
             f"{list(sizes)}"
         )
+    # Elements of the stored piece: a complex box's are its real pairs, two per element
+    # ([Note: complex chunks] in zerostate.dcp.common).
+    per = 2 if _tensor_dtype(state, index.fqn) in fmt.COMPLEX_DTYPES else 1
     if not sizes:  # a scalar
-        return item, name, sizes, 0, 1
-    row = math.prod(sizes[1:])
-    return item, name, sizes, offsets[0] * row, (offsets[0] + lengths[0]) * row
+        return item, name, sizes, 0, per, per
+    row = math.prod(sizes[1:]) * per
+    return item, name, sizes, offsets[0] * row, (offsets[0] + lengths[0]) * row, per
+
+
+def _tensor_dtype(state: _Step, fqn: str) -> torch.dtype | None:
+    entry = state.metadata.state_dict_metadata.get(fqn)
+    return entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else None
 
 
 def _read_batch(reader: Any, state: _Step, batch: list[tuple], planner: LoadPlanner) -> None:
     """Read the batch's ranges in one pass (checksummed), then hand each box to the planner."""
-    requests = [(name, start, stop, None) for _, name, _, start, stop in batch]
+    requests = [(name, start, stop, None) for _, name, _, start, stop, _ in batch]
     try:
         datas = reader.read_many(requests)
     except CorruptCheckpointError:
         # Name the tensors: read each range on its own to find which ones are damaged.
-        for item, name, _, start, stop in batch:
+        for item, name, _, start, stop, _ in batch:
             try:
                 reader.read_many([(name, start, stop, None)])
             except CorruptCheckpointError as exc:
@@ -251,20 +265,31 @@ def _read_batch(reader: Any, state: _Step, batch: list[tuple], planner: LoadPlan
                     f"{state.step} is damaged: {exc}"
                 ) from exc
         raise
-    for (item, _, sizes, _, _), data in zip(batch, datas, strict=True):
+    for (item, _, sizes, _, _, per), data in zip(batch, datas, strict=True):
+        pairs = (2,) if per == 2 else ()
         if sizes:
-            data = data.view(int(item.lengths[0]), *sizes[1:])
+            data = data.view(int(item.lengths[0]), *sizes[1:], *pairs)
             for dim in range(1, len(sizes)):
                 data = data.narrow(dim, int(item.storage_offsets[dim]), int(item.lengths[dim]))
         else:
-            data = data.view(())
+            data = data.view(pairs)
         target = planner.resolve_tensor(item).detach()
-        if tuple(target.shape) != tuple(data.shape):
+        dest = target
+        if pairs:
+            # The real pairs go into the complex target's own memory, bit for bit ([Note:
+            # complex chunks] in zerostate.dcp.common).
+            if target.dtype not in fmt.COMPLEX_DTYPES:
+                raise ConfigError(
+                    f"{item.dest_index.fqn}: the step holds a complex tensor, the planner's "
+                    f"target is {target.dtype}"
+                )
+            dest = torch.view_as_real(target)
+        if tuple(dest.shape) != tuple(data.shape):
             raise ConfigError(
                 f"{item.dest_index.fqn}: the planner's target has shape {list(target.shape)}, "
-                f"the stored box {list(data.shape)}"
+                f"the stored box {list(data.shape)[: data.dim() - len(pairs)]}"
             )
-        target.copy_(data)
+        dest.copy_(data)
         planner.commit_tensor(item, target)
 
 
@@ -301,7 +326,7 @@ def describe_step(reader: Any) -> list[dict[str, Any]] | None:
                 "key": key,
                 "kind": "tensor",
                 "shape": list(entry.size),
-                "dtype": fmt.dtype_name(entry.properties.dtype),
+                "dtype": document_dtype_name(entry.properties.dtype),
                 "chunks": chunks,
             }
         )
@@ -346,7 +371,7 @@ def _parse_step(reader: Any) -> _Step:
         _check_fqn(fqn, where)
         if not isinstance(entry, dict):
             raise CorruptCheckpointError(f"{what}: entry is not an object")
-        dtype = fmt.dtype_from_name(entry.get("dtype"))
+        dtype = document_dtype(entry.get("dtype"))
         shape = _ints(entry.get("shape"), f"{what}: shape", MAX_DIMS)
         chunks = entry.get("chunks")
         if not isinstance(chunks, list):
@@ -375,10 +400,26 @@ def _parse_step(reader: Any) -> _Step:
                 raise CorruptCheckpointError(f"{cwhere}: piece {name!r} is not in the step")
             if name in used:
                 raise CorruptCheckpointError(f"{cwhere}: piece {name!r} serves two chunks")
-            if tuple(info.shape) != sizes or info.dtype != dtype:
+            # A complex box is stored as its real pairs ([Note: complex chunks] in
+            # zerostate.dcp.common), and only such a piece names a complex dtype.
+            want_sizes, want_dtype, _ = stored_as(sizes, dtype)
+            if tuple(info.shape) != want_sizes or info.dtype != want_dtype:
+                pairs = (
+                    f" (the real pairs of {document_dtype_name(dtype)})"
+                    if want_dtype != dtype
+                    else ""
+                )
                 raise CorruptCheckpointError(
                     f"{cwhere}: piece {name!r} holds {fmt.dtype_name(info.dtype)} "
-                    f"{list(info.shape)}, the box needs {fmt.dtype_name(dtype)} {list(sizes)}"
+                    f"{list(info.shape)}, the box needs {fmt.dtype_name(want_dtype)} "
+                    f"{list(want_sizes)}{pairs}"
+                )
+            held = fmt.complex_dtype(info.attrs, info.dtype, info.shape, f"{cwhere}: piece")
+            if held != (dtype if want_dtype != dtype else None):
+                raise CorruptCheckpointError(
+                    f"{cwhere}: piece {name!r} is marked "
+                    f"{document_dtype_name(held) if held else 'real'}, the tensor is "
+                    f"{document_dtype_name(dtype)}"
                 )
             if (fqn, offsets) in pieces:
                 raise CorruptCheckpointError(f"{cwhere}: two chunks at offsets {list(offsets)}")

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from zerostate.checkpoint.async_save import Piece
-from zerostate.dcp.common import ATTR, check_has_data
+from zerostate.dcp.common import ATTR, check_has_data, stored_data
 from zerostate.dcp.common import Piece as ChunkPiece
 from zerostate.dcp.document import (
     RankParts,
@@ -185,9 +185,9 @@ class DcpSource:
         for i, chunk in enumerate(part.pieces):
             spec = specs[i] if specs is not None else chunk.spec(self.world_size)
             if chunk.owner != self.rank:
-                if chunk.dtype not in empty:
-                    empty[chunk.dtype] = torch.empty(0, dtype=chunk.dtype)
-                pieces.append(Piece(spec, empty[chunk.dtype]))
+                if spec.dtype not in empty:
+                    empty[spec.dtype] = torch.empty(0, dtype=spec.dtype)
+                pieces.append(Piece(spec, empty[spec.dtype]))
                 continue
             tensor = data.pop((chunk.fqn, chunk.offsets), None)
             if tensor is None:
@@ -197,7 +197,8 @@ class DcpSource:
                     f"{chunk.fqn}: the planner gave a {tensor.dtype} tensor of shape "
                     f"{list(tensor.shape)} for a chunk of {chunk.dtype} {list(chunk.sizes)}"
                 )
-            pieces.append(Piece(spec, tensor.reshape(-1)))
+            # A complex chunk as its real pairs ([Note: complex chunks] in zerostate.dcp.common).
+            pieces.append(Piece(spec, stored_data(tensor).reshape(-1)))
         if data:
             raise CheckpointError(f"internal: no piece planned for {next(iter(data))[0]}")
         return pieces

@@ -31,6 +31,7 @@ from zerostate.dcp.common import (
     _rank_of_caller,
     _root_text,
     check_has_data,
+    stored_data,
 )
 from zerostate.dcp.document import RankParts, encode_value, metadata_json, plan_pieces, split_pieces
 from zerostate.dcp.staging import StagingBuffers
@@ -328,8 +329,9 @@ class StorageWriter(dcp_storage.StorageWriter):
                     f"{item.index.fqn}: the planner gave a {data.dtype} tensor of shape "
                     f"{list(data.shape)} for a chunk of {piece.dtype} {list(piece.sizes)}"
                 )
-            # The store reads a byte view of a contiguous CPU tensor (no copy made here).
-            shards[piece.name] = data.to("cpu").contiguous().reshape(-1)
+            # The store reads a byte view of a contiguous CPU tensor (no copy made here); a
+            # complex chunk as its real pairs ([Note: complex chunks] in zerostate.dcp.common).
+            shards[piece.name] = stored_data(data.to("cpu").contiguous()).reshape(-1)
             results.append(
                 WriteResult(item.index, data.numel() * data.element_size(), ("piece", piece.name))
             )

@@ -32,6 +32,7 @@ from zerostate.dcp.common import ATTR, DCP_VERSION, Piece, piece_name
 from zerostate.dcp.reader import step_contents
 from zerostate.errors import ConfigError, CorruptCheckpointError
 from zerostate.layout.partition import TensorLayout
+from zerostate.store import format as fmt
 from zerostate.store.foreign.dcp import DcpNames
 from zerostate.store.format import TensorInfo
 from zerostate.store.step_base import StepBase
@@ -68,6 +69,22 @@ class GlobalTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     boxes: tuple[Box, ...]
+    complex_dtype: torch.dtype | None = None
+    """Set: a complex tensor, read as its real pairs (``shape`` and the boxes end in a
+    dimension of 2, ``dtype`` is the pairs'), as its pieces store it ([Note: complex
+    chunks] in zerostate.dcp.common)."""
+
+    @property
+    def attrs(self) -> dict:
+        """The stored attributes a command sees (the complex dtype of real pairs)."""
+        if self.complex_dtype is None:
+            return {}
+        return {fmt.COMPLEX_ATTR: str(self.complex_dtype).removeprefix("torch.")}
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The shape DCP saved (a complex tensor's, without its pairs' dimension)."""
+        return self.shape[:-1] if self.complex_dtype is not None else self.shape
 
     @property
     def numel(self) -> int:
@@ -106,20 +123,29 @@ class DcpStoreStep(StepBase):
                 self.values[key] = values[key]
                 names.add_object(path, values[key])
                 continue
+            # A complex tensor is read as its real pairs, as its pieces hold it ([Note:
+            # complex chunks] in zerostate.dcp.common): one more dimension, of 2.
+            dtype = entry.properties.dtype
+            real = fmt.COMPLEX_DTYPES.get(dtype)
+            at, two = ((0,), (2,)) if real is not None else ((), ())
             boxes = []
             for chunk in entry.chunks:
                 offsets = tuple(int(o) for o in chunk.offsets)
                 piece, sizes = pieces[(key, offsets)]
-                boxes.append(Box(offsets, sizes, piece, stored.tensors[piece].layout.first_owner))
-            shape = tuple(int(d) for d in entry.size)
-            tensor = GlobalTensor(key, shape, entry.properties.dtype, tuple(boxes))
+                first_owner = stored.tensors[piece].layout.first_owner
+                boxes.append(Box((*offsets, *at), (*sizes, *two), piece, first_owner))
+            shape = (*(int(d) for d in entry.size), *two)
+            tensor = GlobalTensor(
+                key, shape, real or dtype, tuple(boxes), dtype if real is not None else None
+            )
             self.globals[key] = tensor
             names.add_tensor(path, tensor)
         self._keys: dict[str, str] = {}  # zerostate name -> DCP key, once named
         _, named, attrs = names.engine_view(stored.world_size, self._read_whole, GlobalTensor)
         self._keys = {name: t.key for name, t in named.items()}
         infos = {
-            name: TensorInfo(name, t.shape, t.dtype, _read_layout(t)) for name, t in named.items()
+            name: TensorInfo(name, t.shape, t.dtype, _read_layout(t), dict(t.attrs))
+            for name, t in named.items()
         }
         super().__init__(
             stored.step, stored.world_size, attrs, infos, num_threads, thread_name="zs-dcp"
@@ -142,7 +168,7 @@ class DcpStoreStep(StepBase):
         model's tensors, under the name a load looks for)."""
         self._keys[name] = self._keys[existing]
         info = self.tensors[existing]
-        self.tensors[name] = TensorInfo(name, info.shape, info.dtype, info.layout)
+        self.tensors[name] = TensorInfo(name, info.shape, info.dtype, info.layout, dict(info.attrs))
 
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
         """Check every stored byte (the pieces' rows) against its crc32c."""
@@ -335,10 +361,13 @@ def fsdp_plan(st: DcpStoreStep, world_size: int) -> ShardedPlan:
             tensor = st.globals.get(key)
             if tensor is None or owner[(key, offsets)] != rank:
                 continue
-            piece = Piece(piece_name(rank, seq, key), key, offsets, sizes, tensor.dtype, rank)
-            pieces.append(piece)
             start = offsets[0] * tensor.row_numel if tensor.shape else 0
-            sources[piece.name] = (key, start, start + math.prod(sizes))
+            sources[piece_name(rank, seq, key)] = (key, start, start + math.prod(sizes))
+            if tensor.complex_dtype is not None:  # the box DCP plans: its pairs' dimension off
+                offsets, sizes, dtype = offsets[:-1], sizes[:-1], tensor.complex_dtype
+            else:
+                dtype = tensor.dtype
+            pieces.append(Piece(piece_name(rank, seq, key), key, offsets, sizes, dtype, rank))
             seq += 1
     return ShardedPlan(
         world_size,
@@ -399,7 +428,7 @@ def _document(st: DcpStoreStep, pieces: list[Piece]) -> dict:
     document["tensors"] = {
         key: {
             "dtype": document["tensors"][key]["dtype"],
-            "shape": list(t.shape),
+            "shape": list(t.logical_shape),
             "chunks": sorted(by_key[key], key=lambda c: c["offsets"]),
         }
         for key, t in st.globals.items()

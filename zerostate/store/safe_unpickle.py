@@ -119,6 +119,8 @@ _STORAGE_DTYPES = {
     "CharStorage": torch.int8,
     "ByteStorage": torch.uint8,
     "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
 }
 
 
@@ -185,7 +187,7 @@ def _path_text(*parts: Any) -> str:
 
 _DTYPE_NAMES = (
     "float32 float64 float16 bfloat16 int64 int32 int16 int8 uint8 bool float "
-    "double half long int short"
+    "double half long int short complex64 complex128 cfloat cdouble"
 ).split()
 
 TORCH_GLOBALS: dict[tuple[str, str], Any] = {

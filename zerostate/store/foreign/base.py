@@ -21,6 +21,7 @@ import torch
 from zerostate import jsonstate
 from zerostate.errors import CorruptCheckpointError
 from zerostate.layout.partition import even_layout
+from zerostate.store import format as fmt
 from zerostate.store.format import TensorInfo
 from zerostate.store.safe_unpickle import StoredTensor, TorchArchive
 from zerostate.store.state_doc import ENGINE_STATE_VERSION, OPTIMIZER_STATE_VERSION
@@ -45,6 +46,45 @@ class ForeignTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     segments: tuple[Segment, ...]
+    attrs: dict | None = None
+
+
+# [Note: complex foreign tensors]
+# A peer's complex tensor (DCP's ``FileSystemWriter`` saves a RoPE table or a complex
+# parameter as any other ``torch.save`` item) is shown to the commands as the store shows
+# its own: the real pairs, shape ``(*shape, 2)`` of float32 / float64, with the attribute
+# naming the complex dtype ([Note: complex tensors] in zerostate.store.format). The bytes
+# are the same (real and imaginary parts interleaved), so each piece is read as the pairs of
+# its stored tensor, by the same byte ranges: element ``i`` of the pairs is at byte
+# ``i * itemsize / 2`` of the complex storage. A complex tensor stored in pieces of another
+# dtype, or a real one stored in complex pieces, is refused: no cast may drop a part.
+def real_pairs(tensor: ForeignTensor, where: str) -> ForeignTensor:
+    """``tensor``, or a complex one as its real pairs ([Note: complex foreign tensors])."""
+    real = fmt.COMPLEX_DTYPES.get(tensor.dtype)
+    if real is None:
+        if any(s.tensor.dtype in fmt.COMPLEX_DTYPES for s in tensor.segments):
+            raise CorruptCheckpointError(
+                f"{where}: {tensor.name!r} is {tensor.dtype} but a piece of it is stored complex"
+            )
+        return tensor
+    if any(s.tensor.dtype != tensor.dtype for s in tensor.segments):
+        raise CorruptCheckpointError(
+            f"{where}: {tensor.name!r} is {tensor.dtype} but a piece of it is stored as "
+            f"{next(s.tensor.dtype for s in tensor.segments if s.tensor.dtype != tensor.dtype)}"
+        )
+    segments = tuple(
+        Segment(s.dst * 2, s.numel * 2, s.archive, _stored_pairs(s.tensor), s.src * 2)
+        for s in tensor.segments
+    )
+    name = str(tensor.dtype).removeprefix("torch.")
+    return ForeignTensor(tensor.name, (*tensor.shape, 2), real, segments, {fmt.COMPLEX_ATTR: name})
+
+
+def _stored_pairs(stored: StoredTensor) -> StoredTensor:
+    real = fmt.COMPLEX_DTYPES[stored.dtype]
+    return StoredTensor(
+        stored.key, real, stored.storage_numel * 2, stored.offset * 2, (*stored.shape, 2)
+    )
 
 
 def check_cover(tensor: ForeignTensor, where: str) -> None:
@@ -83,10 +123,13 @@ class ForeignStep(StepBase):
         archives: list[TorchArchive],
         num_threads: int = 4,
     ) -> None:
+        tensors = [real_pairs(t, url) for t in tensors]
         for t in tensors:
             check_cover(t, url)
         infos = {
-            t.name: TensorInfo(t.name, t.shape, t.dtype, even_layout(_numel(t.shape), 1))
+            t.name: TensorInfo(
+                t.name, t.shape, t.dtype, even_layout(_numel(t.shape), 1), dict(t.attrs or {})
+            )
             for t in tensors
         }
         super().__init__(step, world_size, attrs, infos, num_threads, thread_name="zs-peer")
@@ -109,9 +152,11 @@ class ForeignStep(StepBase):
         """Make ``name`` read what ``existing`` reads (a DCP buffer, stored among the
         model's tensors, under the name a load looks for)."""
         source = self._sources[existing]
-        self._sources[name] = ForeignTensor(name, source.shape, source.dtype, source.segments)
+        self._sources[name] = ForeignTensor(
+            name, source.shape, source.dtype, source.segments, source.attrs
+        )
         info = self.tensors[existing]
-        self.tensors[name] = TensorInfo(name, info.shape, info.dtype, info.layout)
+        self.tensors[name] = TensorInfo(name, info.shape, info.dtype, info.layout, dict(info.attrs))
 
     # ------------------------------------------------------------------- reads
     def read_range(
