@@ -225,6 +225,30 @@ def check_has_data(tensor: torch.Tensor, fqn: str) -> None:
         )
 
 
+def plain_data(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
+    """A chunk's values as a plain tensor.
+
+    A tensor subclass reaches a save as a chunk's data: torchao's float8 training keeps each
+    weight as a ``WeightWithDynamicFloat8CastTensor`` (FSDP2's DTensors hold them as their
+    local tensors under torchtitan's ``float8`` converter), a wrapper with no storage of its
+    own. Its values are copied into a plain tensor of its dtype and shape through its own
+    ``copy_``, as a load copies stored values into it; one that cannot be copied so is
+    refused in one line naming it. A plain tensor (or parameter) is returned as it is."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    try:
+        with torch.no_grad():
+            out.copy_(tensor)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(
+            f"{fqn}: a {type(tensor).__name__} cannot be copied into a plain {tensor.dtype} "
+            f"tensor to be stored ({reason})"
+        ) from exc
+    return out
+
+
 def _check_fqn(fqn: Any, where: str) -> None:
     if not isinstance(fqn, str) or not fqn or len(fqn) > 4096:
         raise CorruptCheckpointError(f"{where}: key {str(fqn)[:80]!r} is not a valid state key")

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from zerostate.checkpoint.async_save import Piece
-from zerostate.dcp.common import ATTR, check_has_data, stored_data
+from zerostate.dcp.common import ATTR, check_has_data, plain_data, stored_data
 from zerostate.dcp.common import Piece as ChunkPiece
 from zerostate.dcp.document import (
     RankParts,
@@ -178,7 +178,7 @@ class DcpSource:
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigError(f"{item.index.fqn}: the planner gave {type(tensor).__name__}")
             check_has_data(tensor, item.index.fqn)
-            data[(item.index.fqn, offsets)] = tensor.detach()
+            data[(item.index.fqn, offsets)] = plain_data(tensor.detach(), item.index.fqn)
         empty: dict[torch.dtype, torch.Tensor] = {}  # one per dtype: never read or written
         pieces = []
         specs = self._parts.specs if self._parts is not None and self.rank == 0 else None

@@ -86,8 +86,9 @@ class StagingBuffers:
         return staged
 
     def release(self, tensors: list[torch.Tensor]) -> None:
-        """The save that read ``tensors`` is done with them: their set may be reused."""
-        seen = {_address(t) for t in tensors if t.numel()}
+        """The save that read ``tensors`` is done with them: their set may be reused. Only
+        plain tensors can be staged buffers (a subclass without storage is none of them)."""
+        seen = {_address(t) for t in tensors if t.numel() and type(t) is torch.Tensor}
         with self._lock:
             done = [s for s in self._busy if s.addresses & seen]
             if not done:

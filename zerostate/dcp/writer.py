@@ -31,6 +31,7 @@ from zerostate.dcp.common import (
     _rank_of_caller,
     _root_text,
     check_has_data,
+    plain_data,
     stored_data,
 )
 from zerostate.dcp.document import RankParts, encode_value, metadata_json, plan_pieces, split_pieces
@@ -322,8 +323,8 @@ class StorageWriter(dcp_storage.StorageWriter):
             if not isinstance(data, torch.Tensor):
                 raise ConfigError(f"{item.index.fqn}: the planner gave {type(data).__name__}")
             check_has_data(data, item.index.fqn)
+            data = plain_data(data.detach(), item.index.fqn)
             read.append(data)
-            data = data.detach()
             if tuple(data.shape) != piece.sizes or data.dtype != piece.dtype:
                 raise ConfigError(
                     f"{item.index.fqn}: the planner gave a {data.dtype} tensor of shape "
