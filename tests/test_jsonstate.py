@@ -127,3 +127,101 @@ def test_malformed_float_markers_are_refused(body) -> None:
     never as a marker): a damaged or hostile step."""
     with pytest.raises(CorruptCheckpointError, match="float"):
         jsonstate.decode({"v": {"__zs_float__": body}})
+
+
+# ------------------------------------------------ numpy values, torch dtypes and devices
+def test_numpy_rng_state_round_trips_and_resumes_the_same_stream() -> None:
+    import numpy as np
+
+    rng = np.random.RandomState(1234)
+    rng.standard_normal(7)  # leaves a cached gaussian: every field of the state in use
+    state = rng.get_state()
+    back = _round_trip({"np": state})["np"]
+    assert type(back) is tuple and back[0] == "MT19937"
+    assert type(back[1]) is np.ndarray and back[1].dtype == np.uint32
+    assert np.array_equal(back[1], state[1]) and back[2:] == state[2:]
+    again = np.random.RandomState()
+    again.set_state(back)
+    assert np.array_equal(again.standard_normal(5), rng.standard_normal(5))
+    generator = np.random.default_rng(7)  # the new API's state: a dict of Python ints
+    assert _round_trip(generator.bit_generator.state) == generator.bit_generator.state
+
+
+@pytest.mark.parametrize("name", sorted(jsonstate.NUMPY_DTYPES))
+def test_numpy_arrays_and_scalars_keep_their_type_and_bytes(name) -> None:
+    import numpy as np
+
+    dtype = np.dtype(name)
+    raw = np.random.default_rng(3).integers(0, 256, size=6 * dtype.itemsize, dtype=np.uint8)
+    array = raw.view(dtype).reshape(2, 3) if name != "bool" else raw.reshape(2, 3) % 2 == 1
+    value = {"a": array, "t": array.T, "s": array.reshape(-1)[4], "e": array[:0]}
+    back = _round_trip(value)
+    for key in value:
+        assert type(back[key]) is type(value[key]), (key, type(back[key]))
+        assert back[key].dtype == dtype and back[key].shape == value[key].shape, key
+        assert back[key].tobytes() == np.ascontiguousarray(value[key]).tobytes(), key  # NaNs too
+    assert back["a"].flags.writeable
+
+
+def test_other_numpy_values_are_refused_naming_their_path() -> None:
+    import numpy as np
+
+    with pytest.raises(ConfigError, match=r"state\['o'\] is a numpy array of dtype object"):
+        jsonstate.encode({"o": np.array([{}], dtype=object)})
+    with pytest.raises(ConfigError, match=r"state\['c'\] is a numpy scalar of dtype complex128"):
+        jsonstate.encode({"c": np.complex128(1j)})
+    with pytest.raises(ConfigError, match=r"state\['m'\] is a matrix"):
+        jsonstate.encode({"m": np.matrix([[1, 2]])})
+    big = np.arange(4, dtype=">u4")  # big-endian: the same values come back
+    back = _round_trip(big)
+    assert np.array_equal(back, big) and back.dtype == np.uint32
+
+
+def test_torch_dtypes_and_devices_round_trip() -> None:
+    value = {"dtype": torch.bfloat16, "devices": [torch.device("cpu"), torch.device("cuda:1")]}
+    back = _round_trip(value)
+    assert back == value and back["dtype"] is torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"__zs_ndarray__": {"dtype": "object", "shape": [1], "data": ""}},
+        {"__zs_ndarray__": {"dtype": "int32", "shape": [2], "data": "AAAAAA=="}},
+        {"__zs_ndarray__": {"dtype": "int32", "shape": [-1], "data": ""}},
+        {"__zs_ndarray__": {"dtype": "int32", "shape": [1]}},
+        {"__zs_npscalar__": {"dtype": "float64", "data": "AAAA"}},
+        {"__zs_dtype__": "float"},  # an alias: only the canonical name is written
+        {"__zs_dtype__": "Tensor"},
+        {"__zs_dtype__": "__import__"},
+        {"__zs_device__": "cuda:0; rm -rf /"},
+        {"__zs_device__": "nonsense"},
+        {"__zs_future__": 1},  # a newer version's marker is never taken for a dict
+    ],
+)
+def test_malformed_numpy_dtype_and_device_markers_are_refused(stored) -> None:
+    with pytest.raises(CorruptCheckpointError):
+        jsonstate.decode(stored)
+
+
+def test_user_keys_in_the_reserved_prefix_stay_keys() -> None:
+    value = {"__zs_note__": 1, "__zs_ndarray__": "text"}
+    assert _round_trip(value) == value
+    assert _round_trip({"__zs_future__": {"a": 1}}) == {"__zs_future__": {"a": 1}}
+
+
+def test_dcp_save_through_our_writer_keeps_a_numpy_rng_state(tmp_path) -> None:
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from zerostate.dcp import StorageReader, StorageWriter
+
+    rng = np.random.RandomState(5)
+    state = {"w": torch.ones(3), "rng": {"np": rng.get_state(), "amp": torch.bfloat16}}
+    dcp.save(state, storage_writer=StorageWriter(str(tmp_path / "c")), no_dist=True)
+    target = {"w": torch.zeros(3), "rng": {"np": None, "amp": None}}
+    dcp.load(target, storage_reader=StorageReader(str(tmp_path / "c")), no_dist=True)
+    again = np.random.RandomState()
+    again.set_state(target["rng"]["np"])
+    assert np.array_equal(again.random_sample(4), rng.random_sample(4))
+    assert target["rng"]["amp"] is torch.bfloat16 and torch.equal(target["w"], torch.ones(3))

@@ -16,7 +16,18 @@ three things a ``state_dict`` commonly holds; each is written as a one-key marke
 - floats JSON has no number for (infinities and NaNs, which strict JSON refuses):
   ``{"__zs_float__": "7ff0000000000000"}``, the float's eight bytes, big-endian hex, so a NaN
   keeps its sign and payload. ``ReduceLROnPlateau`` holds ``inf`` in its state from the
-  start (``mode_worse``), and a loop's ``best_loss`` often begins as ``inf``.
+  start (``mode_worse``), and a loop's ``best_loss`` often begins as ``inf``;
+- numpy arrays and numeric scalars (``np.random.get_state()`` holds a ``uint32`` array, and
+  a loop's counters and metrics are often ``np.int64`` / ``np.float64``):
+  ``{"__zs_ndarray__": {"dtype": "uint32", "shape": [624], "data": base64}}`` and
+  ``{"__zs_npscalar__": {"dtype": "float64", "data": base64}}``, little-endian bytes of a
+  boolean, integer or float dtype; they load as the same numpy type;
+- torch dtypes and devices (a mixed-precision setting, where a state was placed):
+  ``{"__zs_dtype__": "bfloat16"}``, ``{"__zs_device__": "cuda:1"}``.
+
+Every key beginning ``__zs_`` is reserved: a dict holding one is stored as items, and a
+one-key object with a ``__zs_`` key this version does not know is refused when read (a
+newer zerostate's marker is never taken for a plain dict).
 
 A list or dict subclass loads as a list or dict (an ``OrderedDict``, Lightning's
 ``AttributeDict``: the same items in the same order). Values whose loss would not show as
@@ -34,10 +45,12 @@ import base64
 import enum
 import io
 import math
+import re
 import struct
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 from zerostate.errors import ConfigError, CorruptCheckpointError
@@ -48,7 +61,16 @@ _ITEMS = "__zs_items__"
 _BYTES = "__zs_bytes__"
 _BYTESIO = "__zs_bytesio__"
 _FLOAT = "__zs_float__"
-_MARKERS = (_TENSOR, _TUPLE, _ITEMS, _BYTES, _BYTESIO, _FLOAT)
+_NDARRAY = "__zs_ndarray__"
+_NPSCALAR = "__zs_npscalar__"
+_DTYPE = "__zs_dtype__"
+_DEVICE = "__zs_device__"
+_RESERVED = "__zs_"
+#: numpy dtypes an array or scalar in a state may have: no objects, strings or records.
+NUMPY_DTYPES = frozenset(
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64".split()
+)
+_DEVICE_TEXT = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
 #: A BytesIO's stored position is at most this (as the store's other integers).
 _MAX_POS = 1 << 62
 
@@ -76,8 +98,15 @@ def encode(value: Any, what: str = "state") -> Any:
             f"{what} is a named tuple ({type(value).__name__}), which would load as a plain "
             "tuple without its field names; store tuple(...) or ._asdict() in state_dict()"
         )
+    # numpy first: np.float64 is a float, and would load as a plain one.
+    if isinstance(value, np.ndarray | np.bool_ | np.number):
+        return _encode_numpy(value, what)
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if isinstance(value, torch.dtype):
+        return {_DTYPE: str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {_DEVICE: str(value)}
     if isinstance(value, float):
         return value if math.isfinite(value) else {_FLOAT: struct.pack(">d", value).hex()}
     if isinstance(value, torch.Tensor):
@@ -95,7 +124,7 @@ def encode(value: Any, what: str = "state") -> Any:
     if isinstance(value, list):
         return [encode(v, f"{what}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        plain = all(isinstance(k, str) for k in value) and not any(m in value for m in _MARKERS)
+        plain = all(isinstance(k, str) and not k.startswith(_RESERVED) for k in value)
         if plain:
             return {k: encode(v, f"{what}[{k!r}]") for k, v in value.items()}
         for k in value:
@@ -108,8 +137,30 @@ def encode(value: Any, what: str = "state") -> Any:
     raise ConfigError(
         f"{what} holds a {type(value).__name__}, which a checkpoint cannot store without "
         "pickle; state_dict() values must be None, bool, int, float, str, bytes, "
-        "io.BytesIO, tensors, or lists / tuples / dicts of them"
+        "io.BytesIO, tensors, numpy arrays and numbers, torch dtypes and devices, or lists / "
+        "tuples / dicts of them"
     )
+
+
+def _encode_numpy(value: Any, what: str) -> dict:
+    if isinstance(value, np.ndarray) and type(value) is not np.ndarray:
+        raise ConfigError(
+            f"{what} is a {type(value).__name__} (a numpy array subclass), which would load as "
+            "a plain array; store np.asarray(...) in state_dict()"
+        )
+    dtype = value.dtype
+    if dtype.name not in NUMPY_DTYPES or dtype.fields is not None:
+        raise ConfigError(
+            f"{what} is a numpy {'array' if isinstance(value, np.ndarray) else 'scalar'} of "
+            f"dtype {dtype}; supported: {', '.join(sorted(NUMPY_DTYPES))}"
+        )
+    data = np.ascontiguousarray(value, dtype=dtype.newbyteorder("<")).tobytes()
+    body = {"dtype": dtype.name, "data": base64.b64encode(data).decode("ascii")}
+    if isinstance(value, np.ndarray):
+        return {
+            _NDARRAY: {"dtype": body["dtype"], "shape": list(value.shape), "data": body["data"]}
+        }
+    return {_NPSCALAR: body}
 
 
 def _encode_tensor(t: torch.Tensor, what: str) -> dict:
@@ -157,6 +208,19 @@ def decode(value: Any, what: str = "state") -> Any:
             ):
                 raise CorruptCheckpointError(f"{what}: malformed dict items in stored state")
             return {_hashable(decode(k, what), what): decode(v, what) for k, v in body}
+        if key == _NDARRAY:
+            return _decode_numpy(body, what, scalar=False)
+        if key == _NPSCALAR:
+            return _decode_numpy(body, what, scalar=True)
+        if key == _DTYPE:
+            return _decode_dtype(body, what)
+        if key == _DEVICE:
+            return _decode_device(body, what)
+        if isinstance(key, str) and key.startswith(_RESERVED):
+            raise CorruptCheckpointError(
+                f"{what}: unknown marker {key[:40]!r} in stored state (written by a newer "
+                "zerostate?)"
+            )
     return {k: decode(v, f"{what}[{k!r}]") for k, v in value.items()}
 
 
@@ -199,6 +263,50 @@ def _decode_bytesio(body: Any, what: str) -> io.BytesIO:
     buffer = io.BytesIO(_decode_base64(body["data"], what))
     buffer.seek(pos)
     return buffer
+
+
+def _decode_numpy(body: Any, what: str, scalar: bool) -> Any:
+    keys = {"dtype", "data"} if scalar else {"dtype", "shape", "data"}
+    if not isinstance(body, dict) or set(body) != keys:
+        raise CorruptCheckpointError(f"{what}: malformed numpy value in stored state")
+    name = body["dtype"]
+    if not isinstance(name, str) or name not in NUMPY_DTYPES:
+        raise CorruptCheckpointError(f"{what}: numpy dtype {name!r:.40} is not supported")
+    shape = [] if scalar else body["shape"]
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 64
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62 for d in shape
+        )
+    ):
+        raise CorruptCheckpointError(f"{what}: numpy shape {shape!r:.80} is invalid")
+    raw = _decode_base64(body["data"], what)
+    dtype = np.dtype(name)
+    if len(raw) != math.prod(shape) * dtype.itemsize:
+        raise CorruptCheckpointError(
+            f"{what}: a numpy {name} value of shape {shape} needs "
+            f"{math.prod(shape) * dtype.itemsize} bytes, the stored state has {len(raw)}"
+        )
+    array = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+    return array[()] if scalar else array
+
+
+def _decode_dtype(body: Any, what: str) -> torch.dtype:
+    dtype = getattr(torch, body, None) if isinstance(body, str) and body.isidentifier() else None
+    # The canonical name only (what encode writes): no alias, nothing but a dtype.
+    if not isinstance(dtype, torch.dtype) or str(dtype) != f"torch.{body}":
+        raise CorruptCheckpointError(f"{what}: {body!r:.40} is not a torch dtype")
+    return dtype
+
+
+def _decode_device(body: Any, what: str) -> torch.device:
+    if not isinstance(body, str) or not _DEVICE_TEXT.fullmatch(body):
+        raise CorruptCheckpointError(f"{what}: {body!r:.40} is not a torch device")
+    try:
+        return torch.device(body)
+    except (RuntimeError, ValueError):
+        raise CorruptCheckpointError(f"{what}: {body!r:.40} is not a torch device") from None
 
 
 def _decode_tensor(body: Any, what: str) -> torch.Tensor:
