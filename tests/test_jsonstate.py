@@ -177,10 +177,12 @@ def test_other_numpy_values_are_refused_naming_their_path() -> None:
     assert np.array_equal(back, big) and back.dtype == np.uint32
 
 
-def test_torch_dtypes_and_devices_round_trip() -> None:
+def test_torch_dtypes_devices_and_sizes_round_trip() -> None:
     value = {"dtype": torch.bfloat16, "devices": [torch.device("cpu"), torch.device("cuda:1")]}
+    value["sizes"] = (torch.Size([2, 3]), torch.Size([]))
     back = _round_trip(value)
     assert back == value and back["dtype"] is torch.bfloat16
+    assert [type(s) for s in back["sizes"]] == [torch.Size, torch.Size]
 
 
 @pytest.mark.parametrize(
@@ -196,6 +198,8 @@ def test_torch_dtypes_and_devices_round_trip() -> None:
         {"__zs_dtype__": "__import__"},
         {"__zs_device__": "cuda:0; rm -rf /"},
         {"__zs_device__": "nonsense"},
+        {"__zs_size__": [2, -1]},
+        {"__zs_size__": "2x3"},
         {"__zs_future__": 1},  # a newer version's marker is never taken for a dict
     ],
 )

@@ -22,8 +22,9 @@ three things a ``state_dict`` commonly holds; each is written as a one-key marke
   ``{"__zs_ndarray__": {"dtype": "uint32", "shape": [624], "data": base64}}`` and
   ``{"__zs_npscalar__": {"dtype": "float64", "data": base64}}``, little-endian bytes of a
   boolean, integer or float dtype; they load as the same numpy type;
-- torch dtypes and devices (a mixed-precision setting, where a state was placed):
-  ``{"__zs_dtype__": "bfloat16"}``, ``{"__zs_device__": "cuda:1"}``.
+- torch dtypes, devices and sizes (a mixed-precision setting, where a state was placed, a
+  shape): ``{"__zs_dtype__": "bfloat16"}``, ``{"__zs_device__": "cuda:1"}``,
+  ``{"__zs_size__": [2, 3]}``.
 
 Every key beginning ``__zs_`` is reserved: a dict holding one is stored as items, and a
 one-key object with a ``__zs_`` key this version does not know is refused when read (a
@@ -65,6 +66,7 @@ _NDARRAY = "__zs_ndarray__"
 _NPSCALAR = "__zs_npscalar__"
 _DTYPE = "__zs_dtype__"
 _DEVICE = "__zs_device__"
+_SIZE = "__zs_size__"
 _RESERVED = "__zs_"
 #: numpy dtypes an array or scalar in a state may have: no objects, strings or records.
 NUMPY_DTYPES = frozenset(
@@ -107,6 +109,8 @@ def encode(value: Any, what: str = "state") -> Any:
         return {_DTYPE: str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):
         return {_DEVICE: str(value)}
+    if type(value) is torch.Size:  # a tuple, which would load as a plain one
+        return {_SIZE: list(value)}
     if isinstance(value, float):
         return value if math.isfinite(value) else {_FLOAT: struct.pack(">d", value).hex()}
     if isinstance(value, torch.Tensor):
@@ -137,8 +141,8 @@ def encode(value: Any, what: str = "state") -> Any:
     raise ConfigError(
         f"{what} holds a {type(value).__name__}, which a checkpoint cannot store without "
         "pickle; state_dict() values must be None, bool, int, float, str, bytes, "
-        "io.BytesIO, tensors, numpy arrays and numbers, torch dtypes and devices, or lists / "
-        "tuples / dicts of them"
+        "io.BytesIO, tensors, numpy arrays and numbers, torch dtypes, devices and sizes, or "
+        "lists / tuples / dicts of them"
     )
 
 
@@ -216,6 +220,17 @@ def decode(value: Any, what: str = "state") -> Any:
             return _decode_dtype(body, what)
         if key == _DEVICE:
             return _decode_device(body, what)
+        if key == _SIZE:
+            if (
+                not isinstance(body, list)
+                or len(body) > 64
+                or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 62
+                    for d in body
+                )
+            ):
+                raise CorruptCheckpointError(f"{what}: {body!r:.60} is not a torch.Size")
+            return torch.Size(body)
         if isinstance(key, str) and key.startswith(_RESERVED):
             raise CorruptCheckpointError(
                 f"{what}: unknown marker {key[:40]!r} in stored state (written by a newer "

@@ -316,3 +316,24 @@ def test_a_mutated_commit_record_loads_or_is_refused_in_one_line(root, tmp_path)
                 assert str(error).startswith("Missing key in checkpoint state_dict"), (paths, error)
             outcomes["missing"] += 1
     assert outcomes["refused"] > 100 and outcomes["loaded"] > 0, outcomes
+
+
+@pytest.mark.parametrize("key", ["k" * 4097, ""], ids=["too-long", "empty"])
+@pytest.mark.parametrize("kind", ["tensor", "value"])
+def test_a_key_the_reader_would_refuse_is_refused_at_save(tmp_path, key, kind):
+    """A key the reader refuses as damaged (empty, or over 4096 characters) used to be
+    saved and committed: a step that no load could read. It is refused before anything is
+    written; a key of 4096 characters saves and loads."""
+    root = tmp_path / "c"
+    state = {"w": torch.ones(2), key: torch.ones(3) if kind == "tensor" else 7}
+    with pytest.raises(CheckpointException, match=r"ConfigError: state key .* cannot be stored"):
+        dcp.save(state, storage_writer=StorageWriter(str(root)))
+    assert not root.exists() or open_checkpoint(str(root)).steps() == []
+    longest = {"w": torch.ones(2), "k" * 4096: torch.ones(3) if kind == "tensor" else 7}
+    dcp.save(longest, storage_writer=StorageWriter(str(root)))
+    target = {"w": torch.zeros(2), "k" * 4096: torch.zeros(3) if kind == "tensor" else 0}
+    dcp.load(target, storage_reader=StorageReader(str(root)))
+    if kind == "tensor":
+        assert torch.equal(target["k" * 4096], torch.ones(3))
+    else:
+        assert target["k" * 4096] == 7

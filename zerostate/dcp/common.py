@@ -249,8 +249,25 @@ def plain_data(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
     return out
 
 
+#: Longest state key a DCP step holds: a save refuses a longer one, a read calls it damaged.
+MAX_KEY_CHARS = 4096
+
+
+def check_save_key(fqn: Any) -> None:
+    """Refuse at save, in one line, a key the reader would refuse (so no step is committed
+    that cannot be loaded): keys are non-empty strings of at most MAX_KEY_CHARS."""
+    if not isinstance(fqn, str) or not fqn or len(fqn) > MAX_KEY_CHARS:
+        shown = (
+            repr(fqn[:80]) + ("..." if len(fqn) > 80 else "") if isinstance(fqn, str) else repr(fqn)
+        )
+        raise ConfigError(
+            f"state key {shown} ({len(fqn) if isinstance(fqn, str) else '-'} characters) cannot "
+            f"be stored: keys are non-empty strings of at most {MAX_KEY_CHARS} characters"
+        )
+
+
 def _check_fqn(fqn: Any, where: str) -> None:
-    if not isinstance(fqn, str) or not fqn or len(fqn) > 4096:
+    if not isinstance(fqn, str) or not fqn or len(fqn) > MAX_KEY_CHARS:
         raise CorruptCheckpointError(f"{where}: key {str(fqn)[:80]!r} is not a valid state key")
 
 

@@ -17,7 +17,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from zerostate import jsonstate
-from zerostate.dcp.common import DCP_VERSION, Piece, document_dtype_name, piece_name
+from zerostate.dcp.common import (
+    DCP_VERSION,
+    Piece,
+    check_save_key,
+    document_dtype_name,
+    piece_name,
+)
 from zerostate.errors import CheckpointError, ConfigError
 from zerostate.store import format as fmt
 from zerostate.store import format2
@@ -38,6 +44,7 @@ def plan_pieces(plans: list[SavePlan], coordinator: int) -> tuple[Piece, ...]:
         store_rank = (index - coordinator) % world_size
         seq = 0
         for item in plan.items:
+            check_save_key(item.index.fqn)  # before anything is written
             if item.type == WriteItemType.BYTE_IO:
                 continue
             td = item.tensor_data
