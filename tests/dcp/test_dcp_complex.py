@@ -207,44 +207,42 @@ def _piece(commit: dict, fqn: str) -> str:
     return commit["attrs"]["dcp"]["tensors"][fqn]["chunks"][0]["piece"]
 
 
-def test_a_document_that_calls_a_real_tensor_complex_is_refused(saved, tmp_path):
+def _real_called_complex(commit: dict) -> None:
+    commit["attrs"]["dcp"]["tensors"]["model.a.weight"]["dtype"] = "complex64"
+
+
+def _pairs_called_real(commit: dict) -> None:
+    doc = commit["attrs"]["dcp"]["tensors"]["model.coil.z"]
+    doc["dtype"] = "float32"  # the box's piece is a complex64 one's real pairs
+    doc["shape"] = [7, 3, 2]
+    for chunk in doc["chunks"]:
+        chunk["offsets"].append(0)
+        chunk["sizes"].append(2)
+
+
+def _marked_another_complex(commit: dict) -> None:
+    entry = commit["tensors"][_piece(commit, "model.freqs_cis")]
+    assert entry["attrs"] == {"complex_dtype": "complex64"}
+    entry["attrs"] = {"complex_dtype": "complex128"}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            _real_called_complex,
+            ("'model.a.weight'", "float32 [3, 6, 2] (the real pairs of complex64)"),
+        ),
+        (_pairs_called_real, ("'model.coil.z'", "is marked complex64, the tensor is float32")),
+        (_marked_another_complex, ("'model.freqs_cis'", "complex_dtype='complex128' does not")),
+    ],
+    ids=["real-called-complex", "pairs-called-real", "another-mark"],
+)
+def test_a_misdescribed_complex_box_is_refused_in_one_line(saved, tmp_path, change, expected):
     root = _copy(saved, tmp_path)
-
-    def change(commit):
-        commit["attrs"]["dcp"]["tensors"]["model.a.weight"]["dtype"] = "complex64"
-
     _edit(root, change)
     message = _load_error(root)
-    assert "model.a.weight" in message and "real pairs of complex64" in message
-
-
-def test_a_complex_box_whose_piece_says_another_dtype_is_refused(saved, tmp_path):
-    root = _copy(saved, tmp_path)
-
-    def change(commit):
-        doc = commit["attrs"]["dcp"]["tensors"]["model.coil.z"]
-        doc["dtype"] = "float32"  # the box's piece is a complex64 one's real pairs
-        doc["shape"] = [7, 3, 2]
-        for chunk in doc["chunks"]:
-            chunk["offsets"].append(0)
-            chunk["sizes"].append(2)
-
-    _edit(root, change)
-    message = _load_error(root)
-    assert "model.coil.z" in message and "marked complex64, the tensor is float32" in message
-
-
-def test_a_complex_piece_without_its_mark_is_refused(saved, tmp_path):
-    root = _copy(saved, tmp_path)
-
-    def change(commit):
-        entry = commit["tensors"][_piece(commit, "model.freqs_cis")]
-        assert entry["attrs"] == {"complex_dtype": "complex64"}
-        entry["attrs"] = {"complex_dtype": "complex128"}
-
-    _edit(root, change)
-    message = _load_error(root)
-    assert "complex_dtype='complex128' does not describe a stored torch.float32" in message
+    assert all(text in message for text in expected), message
 
 
 # ------------------------------------------- DCP's own checkpoint of a complex state
