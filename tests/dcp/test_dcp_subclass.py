@@ -1,4 +1,4 @@
-"""Tensor subclasses as chunk data through ``zerostate.dcp`` (``plain_data`` in
+"""Tensor subclasses as chunk data through ``zerostate.dcp`` ([Note: tensor subclasses] in
 zerostate.dcp.common).
 
 torchao's float8 training keeps each weight as a ``WeightWithDynamicFloat8CastTensor``, a
@@ -9,7 +9,12 @@ data pointer on an invalid python storage"), where DCP's ``FileSystemWriter`` sa
 ``Wrapped`` below is such a wrapper: its operations run on the tensor it wraps, and the
 ones that keep a tensor's identity (``detach``, views) wrap their result again. torchao is
 not a test dependency; an FSDP2 state of its float8 weights (torchao 0.18, two ranks) saved
-through our writer and loaded through our reader to the same values as DCP's own pair."""
+through our writer and loaded through our reader to the same values as DCP's own pair.
+
+Quantized state is the other kind: its stored form (codes and scales) is not its values,
+and storing its values would not load back the same codes (torchao's ``AdamW8bit`` moments,
+tried by hand, came back with other codes). ``Quantized`` below is such a tensor; it and a
+tensor whose value is the sum of two parts are refused at save, naming them."""
 
 from __future__ import annotations
 
@@ -40,7 +45,14 @@ class Wrapped(torch.Tensor):
         self._tensor = inner
 
     def __repr__(self) -> str:
-        return f"Wrapped({self._tensor!r})"
+        return f"{type(self).__name__}({self._tensor!r})"
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return Wrapped(inner["_tensor"])
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -63,6 +75,57 @@ class Opaque(Wrapped):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+class Quantized(torch.Tensor):
+    """int8 codes and a float scale per row, the scale from the row's mean magnitude (as
+    quantizers that clip outliers do): its value is ``codes * scale``, and copying values
+    into it quantizes them, so values copied out and back in give other codes."""
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, values.shape, dtype=values.dtype)
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.scale = values.abs().mean(dim=-1, keepdim=True) / 32 + 1e-12
+        self.codes = (values / self.scale).round().clamp(-127, 127).to(torch.int8)
+
+    def __tensor_flatten__(self):
+        return ["codes", "scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def value(x):
+            return x.codes.float() * x.scale if isinstance(x, Quantized) else x
+
+        if func is aten.copy_.default and isinstance(args[0], Quantized):
+            q = Quantized(value(args[1]))
+            args[0].codes.copy_(q.codes)
+            args[0].scale.copy_(q.scale)
+            return args[0]
+        if func is aten.detach.default:
+            return args[0]
+        return func(*pytree.tree_map(value, args), **pytree.tree_map(value, kwargs or {}))
+
+
+class TwoParts(Wrapped):
+    """A value that is the sum of two inner tensors of its own shape and dtype: neither
+    inner tensor is its value."""
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self._tensor, self._delta = inner, torch.full_like(inner, 0.5)
+
+    def __tensor_flatten__(self):
+        return ["_tensor", "_delta"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def value(x):
+            return x._tensor + x._delta if isinstance(x, TwoParts) else x
+
+        if func is aten.detach.default:
+            return args[0]
+        return func(*pytree.tree_map(value, args), **pytree.tree_map(value, kwargs or {}))
+
+
 def _values(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -77,12 +140,40 @@ def test_a_wrapper_subclass_saves_and_loads_in_one_process(tmp_path):
     assert torch.equal(target["b"], _values(1, 4))
 
 
-def test_a_subclass_that_cannot_be_copied_is_refused_naming_it(tmp_path):
+@pytest.mark.parametrize(
+    ("cls", "expected"),
+    [
+        (Opaque, "w: a Opaque cannot be copied"),
+        (Quantized, "w: a Quantized is a tensor subclass whose stored form is not its values"),
+        (TwoParts, "w: a TwoParts is a tensor subclass whose stored form is not its values"),
+    ],
+)
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_a_subclass_whose_values_are_not_its_stored_form_is_refused(
+    tmp_path, cls, expected, asynchronous
+):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    state = {"w": Opaque(_values(0, 5, 3))}
-    with pytest.raises((CheckpointException, ConfigError), match=r"w: a Opaque cannot be copied"):
-        dcp.save(state, storage_writer=StorageWriter(str(tmp_path / "c")))
+    root = tmp_path / "c"
+    state = {"w": cls(_values(0, 5, 3)), "b": _values(1, 4)}
+    save = dcp.async_save if asynchronous else dcp.save
+    with pytest.raises((CheckpointException, ConfigError), match=expected):
+        result = save(state, storage_writer=StorageWriter(str(root)))
+        if asynchronous:
+            result.result()
+    assert not root.exists() or not list(root.glob("step-*/_zerostate/commit"))
+
+
+def test_quantized_state_would_change_if_stored_as_its_values():
+    """Why the refusal above: the values copied out and quantized again give other codes."""
+    original = Quantized(_values(0, 5, 300) * torch.linspace(0.1, 3, 300))
+    values = torch.empty(5, 300)
+    values.copy_(original)
+    again = Quantized(torch.zeros(5, 300))
+    again.copy_(values)
+    assert not torch.equal(again.codes, original.codes) or not torch.equal(
+        again.scale, original.scale
+    )
 
 
 def save_sharded(rank: int, world_size: int, root: str, asynchronous: bool) -> None:

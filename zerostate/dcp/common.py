@@ -228,14 +228,23 @@ def check_has_data(tensor: torch.Tensor, fqn: str) -> None:
 def plain_data(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
     """A chunk's values as a plain tensor.
 
-    A tensor subclass reaches a save as a chunk's data: torchao's float8 training keeps each
-    weight as a ``WeightWithDynamicFloat8CastTensor`` (FSDP2's DTensors hold them as their
-    local tensors under torchtitan's ``float8`` converter), a wrapper with no storage of its
-    own. Its values are copied into a plain tensor of its dtype and shape through its own
-    ``copy_``, as a load copies stored values into it; one that cannot be copied so is
-    refused in one line naming it. A plain tensor (or parameter) is returned as it is."""
+    [Note: tensor subclasses]
+    A tensor subclass reaches a save as a chunk's data. Two kinds occur. A wrapper around its
+    values: torchao's float8 training keeps each weight as a ``WeightWithDynamicFloat8CastTensor``
+    (FSDP2's DTensors hold them as their local tensors under torchtitan's ``float8``
+    converter), a wrapper with no storage of its own whose inner ``_tensor`` holds the values.
+    And a different stored form: quantized state (torchao's 8- and 4-bit optimizer states,
+    NF4 or affine-quantized weights) holds codes and scales, and its values are computed.
+    DCP's ``FileSystemWriter`` pickles either; the store holds values, never pickles. So a
+    subclass is stored as its values (copied through its own ``copy_``, as a load copies
+    back into it) only where one of its inner tensors (``__tensor_flatten__``) is exactly
+    those values, bit for bit: then storing and loading them changes nothing. Anything else
+    is refused in one line naming it, before the save writes: converting quantized state to
+    its values and back would not give the same codes (measured: torchao's ``AdamW8bit``
+    and ``AdamW4bit`` moments came back with other codes), a change no load would report."""
     if type(tensor) in (torch.Tensor, torch.nn.Parameter):
         return tensor
+    kind = type(tensor).__name__
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     try:
         with torch.no_grad():
@@ -243,10 +252,37 @@ def plain_data(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise ConfigError(
-            f"{fqn}: a {type(tensor).__name__} cannot be copied into a plain {tensor.dtype} "
-            f"tensor to be stored ({reason})"
+            f"{fqn}: a {kind} cannot be copied into a plain {tensor.dtype} tensor to be stored "
+            f"({reason})"
         ) from exc
+    if not _holds_its_values(tensor, out):
+        raise ConfigError(
+            f"{fqn}: a {kind} is a tensor subclass whose stored form is not its values "
+            "(quantized state, such as torchao's low-bit optimizer states or NF4 weights, "
+            "would not load back the same); zerostate stores values, never pickles: save "
+            "plain tensors for it (its dequantized values, or the state it is built from)"
+        )
     return out
+
+
+def _holds_its_values(tensor: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether one of ``tensor``'s inner tensors is ``values`` bit for bit ([Note: tensor
+    subclasses])."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if not callable(flatten):
+        return False
+    names = flatten()[0]
+    want = values.reshape(-1).view(torch.uint8)
+    for name in names if isinstance(names, list | tuple) else ():
+        inner = getattr(tensor, name, None) if isinstance(name, str) else None
+        if (
+            type(inner) in (torch.Tensor, torch.nn.Parameter)
+            and inner.dtype == values.dtype
+            and tuple(inner.shape) == tuple(values.shape)
+            and torch.equal(inner.detach().to("cpu").reshape(-1).view(torch.uint8), want)
+        ):
+            return True
+    return False
 
 
 #: Longest state key a DCP step holds: a save refuses a longer one, a read calls it damaged.

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from zerostate.dcp.common import check_has_data
+from zerostate.dcp.common import check_has_data, plain_data
 from zerostate.errors import ConfigError
 
 __all__ = ["StagingBuffers"]
@@ -124,6 +124,8 @@ class StagingBuffers:
 
         local = t.to_local() if isinstance(t, DTensor) else t
         check_has_data(local, ".".join(map(str, path)))
+        # A subclass as its values, or refused ([Note: tensor subclasses] in zerostate.dcp.common).
+        local = plain_data(local.detach(), ".".join(map(str, path)))
         if local.is_sparse or local.layout != torch.strided:
             raise ConfigError(
                 f"{'.'.join(map(str, path))}: a {local.layout} tensor cannot be staged"
