@@ -229,3 +229,26 @@ def test_dcp_save_through_our_writer_keeps_a_numpy_rng_state(tmp_path) -> None:
     again.set_state(target["rng"]["np"])
     assert np.array_equal(again.random_sample(4), rng.random_sample(4))
     assert target["rng"]["amp"] is torch.bfloat16 and torch.equal(target["w"], torch.ones(3))
+
+
+def _nested(depth: int, kind: str):
+    value = 1
+    for _ in range(depth):
+        value = {"k": value} if kind == "dict" else (value,) if kind == "tuple" else [value]
+    return value
+
+
+@pytest.mark.parametrize("kind", ["list", "dict", "tuple"])
+def test_nesting_is_bounded_the_same_way_on_save_and_on_load(kind) -> None:
+    """A state nested 600 deep used to fail its save with a bare RecursionError, and a stored
+    one about 900 deep made every read of the step raise one: a hostile record escaped the
+    one-line refusal. Both sides now stop at MAX_DEPTH, so what saves always loads."""
+    deepest = _nested(jsonstate.MAX_DEPTH, kind)
+    assert _round_trip(deepest) == deepest
+    with pytest.raises(ConfigError, match=f"nested more than {jsonstate.MAX_DEPTH} containers"):
+        jsonstate.encode(_nested(jsonstate.MAX_DEPTH + 1, kind))
+    with pytest.raises(ConfigError, match="nested more than"):
+        jsonstate.encode(_nested(5000, kind))
+    stored = json.loads("[" * 900 + "1" + "]" * 900)
+    with pytest.raises(CorruptCheckpointError, match="nested more than"):
+        jsonstate.decode(stored)

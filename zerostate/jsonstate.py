@@ -73,6 +73,10 @@ NUMPY_DTYPES = frozenset(
     "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64".split()
 )
 _DEVICE_TEXT = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
+#: Deepest nesting of containers a state may have (a marker's body counts as one level).
+#: Real states are a few levels deep; the bound keeps a hostile document from exhausting
+#: the interpreter's recursion, and a save from writing what a load could not read.
+MAX_DEPTH = 100
 #: A BytesIO's stored position is at most this (as the store's other integers).
 _MAX_POS = 1 << 62
 
@@ -86,8 +90,15 @@ DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 
-def encode(value: Any, what: str = "state") -> Any:
+def encode(value: Any, what: str = "state", _depth: int = 0) -> Any:
     """A JSON-able form of ``value``; raises ConfigError naming the path of anything else."""
+    if _depth > MAX_DEPTH:
+        shown = what if len(what) <= 120 else what[:120] + "..."
+        raise ConfigError(
+            f"{shown} is nested more than {MAX_DEPTH} containers deep; a checkpoint stores "
+            "states of at most that depth"
+        )
+    deeper = _depth + 1
     if isinstance(value, enum.Enum):
         # An IntEnum or StrEnum member is an int or a str too, but would load as its bare
         # value: its type and name gone.
@@ -124,20 +135,25 @@ def encode(value: Any, what: str = "state") -> Any:
         data = base64.b64encode(value.getvalue()).decode("ascii")
         return {_BYTESIO: {"data": data, "pos": value.tell()}}
     if isinstance(value, tuple):
-        return {_TUPLE: [encode(v, f"{what}[{i}]") for i, v in enumerate(value)]}
+        return {_TUPLE: [encode(v, f"{what}[{i}]", deeper) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, f"{what}[{i}]") for i, v in enumerate(value)]
+        return [encode(v, f"{what}[{i}]", deeper) for i, v in enumerate(value)]
     if isinstance(value, dict):
         plain = all(isinstance(k, str) and not k.startswith(_RESERVED) for k in value)
         if plain:
-            return {k: encode(v, f"{what}[{k!r}]") for k, v in value.items()}
+            return {k: encode(v, f"{what}[{k!r}]", deeper) for k, v in value.items()}
         for k in value:
             if not (k is None or isinstance(k, (bool, int, float, str, tuple))):
                 raise ConfigError(
                     f"{what} has a dict key {k!r} of type {type(k).__name__}; keys must be "
                     "str, int, float, bool, None or tuples of them"
                 )
-        return {_ITEMS: [[encode(k, what), encode(v, f"{what}[{k!r}]")] for k, v in value.items()]}
+        return {
+            _ITEMS: [
+                [encode(k, what, deeper), encode(v, f"{what}[{k!r}]", deeper)]
+                for k, v in value.items()
+            ]
+        }
     raise ConfigError(
         f"{what} holds a {type(value).__name__}, which a checkpoint cannot store without "
         "pickle; state_dict() values must be None, bool, int, float, str, bytes, "
@@ -184,10 +200,15 @@ def _encode_tensor(t: torch.Tensor, what: str) -> dict:
     }
 
 
-def decode(value: Any, what: str = "state") -> Any:
+def decode(value: Any, what: str = "state", _depth: int = 0) -> Any:
     """Inverse of :func:`encode`, validating every marker it meets."""
+    if _depth > MAX_DEPTH:
+        raise CorruptCheckpointError(
+            f"{what[:120]}: stored state nested more than {MAX_DEPTH} containers deep"
+        )
+    deeper = _depth + 1
     if isinstance(value, list):
-        return [decode(v, what) for v in value]
+        return [decode(v, what, deeper) for v in value]
     if not isinstance(value, dict):
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
@@ -199,7 +220,7 @@ def decode(value: Any, what: str = "state") -> Any:
         if key == _TUPLE:
             if not isinstance(body, list):
                 raise CorruptCheckpointError(f"{what}: malformed tuple in stored state")
-            return tuple(decode(v, what) for v in body)
+            return tuple(decode(v, what, deeper) for v in body)
         if key == _BYTES:
             return _decode_base64(body, what)
         if key == _BYTESIO:
@@ -211,7 +232,9 @@ def decode(value: Any, what: str = "state") -> Any:
                 isinstance(p, list) and len(p) == 2 for p in body
             ):
                 raise CorruptCheckpointError(f"{what}: malformed dict items in stored state")
-            return {_hashable(decode(k, what), what): decode(v, what) for k, v in body}
+            return {
+                _hashable(decode(k, what, deeper), what): decode(v, what, deeper) for k, v in body
+            }
         if key == _NDARRAY:
             return _decode_numpy(body, what, scalar=False)
         if key == _NPSCALAR:
@@ -236,7 +259,7 @@ def decode(value: Any, what: str = "state") -> Any:
                 f"{what}: unknown marker {key[:40]!r} in stored state (written by a newer "
                 "zerostate?)"
             )
-    return {k: decode(v, f"{what}[{k!r}]") for k, v in value.items()}
+    return {k: decode(v, f"{what}[{k!r}]", deeper) for k, v in value.items()}
 
 
 def _hashable(key: Any, what: str) -> Any:

@@ -337,3 +337,18 @@ def test_a_key_the_reader_would_refuse_is_refused_at_save(tmp_path, key, kind):
         assert torch.equal(target["k" * 4096], torch.ones(3))
     else:
         assert target["k" * 4096] == 7
+
+
+def test_a_value_nested_past_the_bound_is_refused_in_one_line(root):
+    """A stored value nested 900 deep parses as JSON but used to exhaust the interpreter's
+    recursion while decoding: a RecursionError, not a refusal."""
+    path = _commit_path(root)
+    doc = json.loads(path.read_text())
+    values = doc["attributes"]["zerostate_commit"]["attrs"]["dcp"]["values"]
+    key = next(iter(values))
+    values[key] = "DEEP"
+    text = json.dumps(doc).replace('"DEEP"', "[" * 900 + "1" + "]" * 900)
+    path.write_text(text)
+    with pytest.raises(CorruptCheckpointError, match="nested more than 100") as info:
+        StorageReader(str(root)).read_metadata()
+    assert "\n" not in str(info.value)
