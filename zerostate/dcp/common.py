@@ -229,7 +229,9 @@ def plain_data(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
     """A chunk's values as a plain tensor.
 
     [Note: tensor subclasses]
-    A tensor subclass reaches a save as a chunk's data. Two kinds occur. A wrapper around its
+    A tensor subclass reaches a save as a chunk's data. One over its own storage that keeps
+    torch's kernels (a tag class; a Parameter subclass such as bitsandbytes' packed weights)
+    is its bytes, and is stored as they are. Of the others, two kinds occur. A wrapper around its
     values: torchao's float8 training keeps each weight as a ``WeightWithDynamicFloat8CastTensor``
     (FSDP2's DTensors hold them as their local tensors under torchtitan's ``float8``
     converter), a wrapper with no storage of its own whose inner ``_tensor`` holds the values.
@@ -244,6 +246,10 @@ def plain_data(tensor: torch.Tensor, fqn: str) -> torch.Tensor:
     and ``AdamW4bit`` moments came back with other codes), a change no load would report."""
     if type(tensor) in (torch.Tensor, torch.nn.Parameter):
         return tensor
+    if type(tensor).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        # A subclass over its own storage, with torch's kernels (a tag class, a Parameter
+        # subclass such as bitsandbytes' packed weights): its bytes are its values.
+        return tensor.as_subclass(torch.Tensor)
     kind = type(tensor).__name__
     out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     try:
