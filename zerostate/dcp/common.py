@@ -144,9 +144,8 @@ def document_dtype_name(dtype: torch.dtype) -> str:
 
 def document_dtype(name: Any) -> torch.dtype:
     """The dtype a DCP document names (read from storage: never trusted)."""
-    for dtype in fmt.COMPLEX_DTYPES:
-        if name == str(dtype).removeprefix("torch."):
-            return dtype
+    if isinstance(name, str) and name in fmt.COMPLEX_BY_NAME:
+        return fmt.COMPLEX_BY_NAME[name]
     return fmt.dtype_from_name(name)
 
 
@@ -158,7 +157,7 @@ def stored_as(
     real = fmt.COMPLEX_DTYPES.get(dtype)
     if real is None:
         return tuple(sizes), dtype, None
-    return (*sizes, 2), real, {fmt.COMPLEX_ATTR: str(dtype).removeprefix("torch.")}
+    return (*sizes, 2), real, fmt.complex_attrs(dtype)
 
 
 def stored_data(tensor: torch.Tensor) -> torch.Tensor:

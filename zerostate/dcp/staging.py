@@ -125,7 +125,7 @@ class StagingBuffers:
         local = t.to_local() if isinstance(t, DTensor) else t
         check_has_data(local, ".".join(map(str, path)))
         # A subclass as its values, or refused ([Note: tensor subclasses] in zerostate.dcp.common).
-        local = plain_data(local.detach(), ".".join(map(str, path)))
+        local = plain_data(local.detach(), ".".join(map(str, path)))  # detached
         if local.is_sparse or local.layout != torch.strided:
             raise ConfigError(
                 f"{'.'.join(map(str, path))}: a {local.layout} tensor cannot be staged"
@@ -135,7 +135,7 @@ class StagingBuffers:
             buf = old
         else:
             buf = torch.empty(local.shape, dtype=local.dtype, device="cpu")
-        buf.copy_(local.detach())
+        buf.copy_(local)
         into.buffers[path] = buf
         if buf.numel():  # an empty tensor has no storage of its own to recognise it by
             into.addresses.add(_address(buf))

@@ -77,9 +77,7 @@ class GlobalTensor:
     @property
     def attrs(self) -> dict:
         """The stored attributes a command sees (the complex dtype of real pairs)."""
-        if self.complex_dtype is None:
-            return {}
-        return {fmt.COMPLEX_ATTR: str(self.complex_dtype).removeprefix("torch.")}
+        return {} if self.complex_dtype is None else fmt.complex_attrs(self.complex_dtype)
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
@@ -361,13 +359,14 @@ def fsdp_plan(st: DcpStoreStep, world_size: int) -> ShardedPlan:
             tensor = st.globals.get(key)
             if tensor is None or owner[(key, offsets)] != rank:
                 continue
+            name = piece_name(rank, seq, key)
             start = offsets[0] * tensor.row_numel if tensor.shape else 0
-            sources[piece_name(rank, seq, key)] = (key, start, start + math.prod(sizes))
+            sources[name] = (key, start, start + math.prod(sizes))
             if tensor.complex_dtype is not None:  # the box DCP plans: its pairs' dimension off
                 offsets, sizes, dtype = offsets[:-1], sizes[:-1], tensor.complex_dtype
             else:
                 dtype = tensor.dtype
-            pieces.append(Piece(piece_name(rank, seq, key), key, offsets, sizes, dtype, rank))
+            pieces.append(Piece(name, key, offsets, sizes, dtype, rank))
             seq += 1
     return ShardedPlan(
         world_size,

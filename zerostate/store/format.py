@@ -120,13 +120,22 @@ COMPLEX_DTYPES: dict[torch.dtype, torch.dtype] = {
 }
 
 
+#: Each complex dtype by the name ``attrs[COMPLEX_ATTR]`` records.
+COMPLEX_BY_NAME: dict[str, torch.dtype] = {str(c).removeprefix("torch."): c for c in COMPLEX_DTYPES}
+
+
+def complex_attrs(dtype: torch.dtype) -> dict:
+    """The attributes marking a stored tensor as the real pairs of complex ``dtype``."""
+    return {COMPLEX_ATTR: str(dtype).removeprefix("torch.")}
+
+
 def as_real_pairs(t: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """``(storable tensor, attrs)``: ``t`` itself and ``{}``, or for a complex tensor its
     real-pairs view (shares memory, so a read into it fills ``t``) and the attribute
     recording its dtype ([Note: complex tensors])."""
     if t.dtype not in COMPLEX_DTYPES:
         return t, {}
-    return torch.view_as_real(t), {COMPLEX_ATTR: str(t.dtype).removeprefix("torch.")}
+    return torch.view_as_real(t), complex_attrs(t.dtype)
 
 
 def complex_dtype(
@@ -137,8 +146,7 @@ def complex_dtype(
     name = attrs.get(COMPLEX_ATTR) if isinstance(attrs, dict) else None
     if name is None:
         return None
-    by_name = {str(c).removeprefix("torch."): c for c in COMPLEX_DTYPES}
-    logical = by_name.get(name) if isinstance(name, str) else None
+    logical = COMPLEX_BY_NAME.get(name) if isinstance(name, str) else None
     if logical is None or COMPLEX_DTYPES[logical] != dtype or not shape or shape[-1] != 2:
         raise CorruptCheckpointError(
             f"{what}: {COMPLEX_ATTR}={name!r} does not describe a stored {dtype} tensor of "

@@ -76,8 +76,8 @@ def real_pairs(tensor: ForeignTensor, where: str) -> ForeignTensor:
         Segment(s.dst * 2, s.numel * 2, s.archive, _stored_pairs(s.tensor), s.src * 2)
         for s in tensor.segments
     )
-    name = str(tensor.dtype).removeprefix("torch.")
-    return ForeignTensor(tensor.name, (*tensor.shape, 2), real, segments, {fmt.COMPLEX_ATTR: name})
+    attrs = fmt.complex_attrs(tensor.dtype)
+    return ForeignTensor(tensor.name, (*tensor.shape, 2), real, segments, attrs)
 
 
 def _stored_pairs(stored: StoredTensor) -> StoredTensor:
